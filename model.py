@@ -1,0 +1,510 @@
+"""
+The GPT: the Qwen3 / Llama family shape, written so that a Hugging Face checkpoint's tensors map onto
+it one to one (parameter names are exactly transformers' names, e.g. `model.layers.0.self_attn.q_proj.weight`).
+
+    token ids -> embed_tokens -> n_layer x [RMSNorm -> grouped-query attention (QK-norm, RoPE) -> +residual
+                                           RMSNorm -> SwiGLU MLP -> +residual] -> RMSNorm -> lm_head | score
+
+- `forward` gives logits, or the per-token cross-entropy when `targets` is given (ignore index -100).
+- `doc_ids` (B, T) marks documents packed into one row: positions restart at each document and attention
+  never crosses one. The same mechanism isolates the left padding of a batch of prompts in the engine.
+- `kv_cache` (a `KVCache`) makes decoding one token per step cost O(T) instead of O(T^2).
+- `token_logprobs` gives per-token log-probs in float32 chunk by chunk, so a (B, T, V) float32 tensor
+  is never alive for the whole sequence (the chunks' logits are recomputed in backward).
+- `GPTConfig.head = "scalar"` swaps the vocabulary head for a one-number head (`score`), as reward
+  models and critics need; everything below the head is the same code.
+- Checkpoints are Hugging Face folders: `save_hf` / `from_hf` (config.json in Qwen3 or Llama form,
+  model.safetensors, the tokenizer files).
+"""
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 2048
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 2               # grouped-query attention: n_head / n_kv_head queries share a key/value head
+    n_embd: int = 128
+    head_dim: int = 32               # Qwen3 decouples head_dim from n_embd / n_head
+    intermediate_size: int = 384     # SwiGLU hidden width
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # Llama 3: {"rope_type": "llama3", "factor", "low_freq_factor", ...}
+    rms_norm_eps: float = 1e-6
+    qk_norm: bool = True             # Qwen3 normalizes q and k per head; Llama does not
+    tie_word_embeddings: bool = True
+    arch: str = "qwen3"              # which Hugging Face architecture config.json speaks: "qwen3" | "llama"
+    head: str = "lm"                 # "lm": next-token logits; "scalar": one number per position (RM, critic)
+
+    def __post_init__(self):
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}")
+        if self.arch not in ("qwen3", "llama"):
+            raise ValueError(f"arch must be 'qwen3' or 'llama', got {self.arch!r}")
+        if self.head not in ("lm", "scalar"):
+            raise ValueError(f"head must be 'lm' or 'scalar', got {self.head!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalize in float32 (as transformers does), then cast back before the gain
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = config.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        # Llama 3.1: slow down the low frequencies by `factor`, keep the high ones, blend in between
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old_len = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling {rs}; supported: none, llama3")
+    return inv_freq
+
+
+def apply_rope(x, cos, sin):
+    # x: (B, H, T, D); cos, sin: (B, 1, T, D). The "rotate half" layout of transformers' Llama/Qwen.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated keys and values for every layer, plus the document id of every cached position
+    (so left padding and packed documents stay isolated while decoding) and each row's next position."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, max_len: int, device, dtype):
+        shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.doc = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer: int, k, v):
+        t0, t1 = self.length, self.length + k.size(2)
+        self.k[layer, :, :, t0:t1] = k
+        self.v[layer, :, :, t0:t1] = v
+        return self.k[layer, :, :, :t1], self.v[layer, :, :, :t1]
+
+    def repeat_rows(self, n: int):
+        """Each row becomes n consecutive rows (one prefill serves n samples of the same prompt)."""
+        self.k = self.k.repeat_interleave(n, dim=1)
+        self.v = self.v.repeat_interleave(n, dim=1)
+        self.doc = self.doc.repeat_interleave(n, dim=0)
+        self.next_pos = self.next_pos.repeat_interleave(n, dim=0)
+
+    def keep_rows(self, rows):
+        """Keep only these batch rows (finished rows leave the batch)."""
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.doc, self.next_pos = self.doc[rows], self.next_pos[rows]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        c = config
+        self.n_head, self.n_kv_head, self.head_dim = c.n_head, c.n_kv_head, c.head_dim
+        self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, kv_cache, layer):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer, k, v)
+        if mask is None:  # plain causal self-attention: the fast path
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, kv_cache, layer):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv_cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Trunk(nn.Module):
+    """Named `model` inside GPT, as in transformers, so checkpoint keys match."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-probs under the distribution a sampler uses (shared by the engine and the trainers)
+
+def process_logits(logits, temperature=1.0, top_k=None, top_p=None):
+    """Float32 logits of the distribution that is sampled from: divided by the temperature, tokens
+    outside top-k / top-p set to -inf. The engine samples from this; the trainer recomputes with it."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def logprobs_from_logits(logits, targets, temperature=1.0, top_k=None, top_p=None):
+    """log p(target) per position, float32. Targets < 0 (ignore index) give 0."""
+    logits = process_logits(logits, temperature, top_k, top_p)
+    safe = targets.clamp(min=0)
+    # gather - logsumexp is log_softmax without materializing the whole (.., V) log-softmax
+    lp = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return lp.masked_fill(targets < 0, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The model
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.model = Trunk(config)
+        if config.head == "lm":
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.score = nn.Linear(config.n_embd, 1, bias=False)
+        self._init_rope()
+        if not any(p.is_meta for p in self.parameters()):
+            self.apply(self._init_weights)
+            # GPT-2's scaled init: each residual branch adds to the stream, so shrink its output layer
+            for name, p in self.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def _init_rope(self):
+        inv_freq = rope_inv_freq(self.config)
+        t = torch.arange(self.config.max_seq_len, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    @property
+    def device(self):
+        return self.model.embed_tokens.weight.device
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # tied weights count once
+
+    # -- the trunk ---------------------------------------------------------------------------
+
+    def hidden_states(self, idx, doc_ids=None, kv_cache=None):
+        """Final-normed hidden states (B, T, C). See the module docstring for doc_ids and kv_cache."""
+        B, T = idx.shape
+        dev = idx.device
+        mask = None
+        if kv_cache is None:
+            if doc_ids is None:
+                pos = torch.arange(T, device=dev).expand(B, T)
+            else:
+                pos = positions_from_doc_ids(doc_ids)
+                same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+                mask = (same_doc & torch.ones(T, T, dtype=torch.bool, device=dev).tril())[:, None]
+        else:
+            t0 = kv_cache.length
+            if t0 + T > kv_cache.max_len:
+                raise ValueError(f"KV cache full: {t0} + {T} > {kv_cache.max_len}")
+            if t0 == 0:  # prefill: the prompt's own documents (left padding is a document of its own)
+                doc_ids = doc_ids if doc_ids is not None else torch.zeros(B, T, dtype=torch.long, device=dev)
+                pos = positions_from_doc_ids(doc_ids)
+            else:        # decode: every new token continues its row's last document
+                doc_ids = kv_cache.doc[:, t0 - 1:t0].expand(B, T)
+                pos = kv_cache.next_pos[:, None] + torch.arange(T, device=dev)
+            kv_cache.doc[:, t0:t0 + T] = doc_ids
+            kv_cache.next_pos = pos[:, -1] + 1
+            k_doc = kv_cache.doc[:, :t0 + T]
+            causal = torch.arange(t0 + T, device=dev)[None, :] <= torch.arange(t0, t0 + T, device=dev)[:, None]
+            mask = ((doc_ids[:, :, None] == k_doc[:, None, :]) & causal)[:, None]
+        if int(pos.max()) >= self.config.max_seq_len:
+            raise ValueError(f"position {int(pos.max())} exceeds max_seq_len={self.config.max_seq_len}; "
+                             f"crop the sequence or raise max_seq_len")
+        dtype = self.model.embed_tokens.weight.dtype
+        cos = self.rope_cos[pos].unsqueeze(1).to(dtype)
+        sin = self.rope_sin[pos].unsqueeze(1).to(dtype)
+        x = self.model.embed_tokens(idx)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, mask, kv_cache, i)
+        if kv_cache is not None:
+            kv_cache.length += T
+        return self.model.norm(x)
+
+    # -- the heads ---------------------------------------------------------------------------
+
+    def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, ignore_index=-100, reduction="mean"):
+        """Logits (B, T, V); or, with targets, the cross-entropy: reduction "mean" over non-ignored
+        tokens, "sum", or "none" for (B, T) per-token losses (0 at ignored positions).
+        With head="scalar": values (B, T), float32."""
+        h = self.hidden_states(idx, doc_ids, kv_cache)
+        if self.config.head == "scalar":
+            return self.score(h).squeeze(-1).float()
+        logits = self.lm_head(h)
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index,
+                               reduction=reduction)
+        return loss.view_as(targets) if reduction == "none" else loss
+
+    def token_logprobs(self, idx, targets, doc_ids=None, temperature=1.0, top_k=None, top_p=None, chunk=128):
+        """log p(targets[t] | idx[:t+1]) in float32, (B, T); 0 where targets < 0.
+        Computed `chunk` positions at a time; under autograd each chunk's logits are recomputed in
+        backward, so only hidden states are kept, never a (B, T, V) float32 tensor."""
+        assert self.config.head == "lm", "token_logprobs needs the language-model head"
+        h = self.hidden_states(idx, doc_ids)
+
+        def chunk_logprobs(h_chunk, t_chunk):
+            return logprobs_from_logits(self.lm_head(h_chunk), t_chunk, temperature, top_k, top_p)
+
+        out = []
+        for s in range(0, idx.size(1), chunk):
+            hs, ts = h[:, s:s + chunk], targets[:, s:s + chunk]
+            if torch.is_grad_enabled():
+                out.append(checkpoint(chunk_logprobs, hs, ts, use_reentrant=False))
+            else:
+                out.append(chunk_logprobs(hs, ts))
+        return torch.cat(out, dim=1)
+
+    # -- Hugging Face folders ----------------------------------------------------------------
+
+    def save_hf(self, path, tokenizer=None, dtype=None):
+        """Write a folder that transformers loads: config.json, model.safetensors,
+        generation_config.json, and the tokenizer files. Not atomic by itself (see common.py)."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        sd = self.state_dict()
+        if self.config.head == "lm" and self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight")  # tied: transformers re-ties it from embed_tokens
+        sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in sd.items()}
+        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        hf = config_to_hf(self.config, dtype or next(self.parameters()).dtype, tokenizer)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(hf, f, indent=2)
+        if self.config.head == "lm":
+            gen = {"eos_token_id": hf["eos_token_id"], "pad_token_id": hf.get("pad_token_id")}
+            with open(os.path.join(path, "generation_config.json"), "w") as f:
+                json.dump(gen, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save(path)
+
+    @classmethod
+    def from_hf(cls, path, dtype=None, device="cpu", head=None):
+        """Load a Hugging Face folder (ours or a downloaded Qwen3 / Llama) tensor by tensor, without
+        holding two copies of the weights. head="scalar" on an LM checkpoint starts a reward model or
+        critic from it (the vocabulary head is dropped, the score head freshly initialized)."""
+        from safetensors import safe_open
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face model folder "
+                                    f"(config.json + model.safetensors)")
+        with open(cfg_path) as f:
+            config = config_from_hf(json.load(f), path)
+        if head is not None:
+            config.head = head
+        files = _safetensors_files(path)
+        with torch.device("meta"):
+            model = cls(config)
+        expected = set(model.state_dict().keys())
+        loaded = set()
+        for file in files:
+            with safe_open(file, framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    if key not in expected:
+                        if key in ("lm_head.weight", "score.weight"):
+                            continue  # the other head (e.g. an RM started from an LM checkpoint)
+                        raise ValueError(f"{file}: unexpected tensor {key!r} for {config.arch}")
+                    t = f.get_tensor(key)
+                    _set_tensor(model, key, t.to(dtype) if dtype is not None else t)
+                    loaded.add(key)
+        if config.head == "lm" and config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        missing = expected - loaded
+        if config.head == "scalar" and missing == {"score.weight"}:  # fresh score head
+            ref = model.model.embed_tokens.weight
+            _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=ref.dtype, device=ref.device))
+            missing = set()
+        if missing:
+            raise ValueError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
+        model._init_rope()
+        return model.to(device)
+
+
+def positions_from_doc_ids(doc_ids):
+    """Position of each token inside its document: 0 at every document start."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - start_idx
+
+
+def _set_tensor(model, key, tensor):
+    mod_name, _, attr = key.rpartition(".")
+    mod = model.get_submodule(mod_name)
+    setattr(mod, attr, nn.Parameter(tensor, requires_grad=tensor.is_floating_point()))
+
+
+def _safetensors_files(path):
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"{path}: no model.safetensors (or model.safetensors.index.json)")
+    return [single]
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json in the Hugging Face form
+
+_HF_ARCH = {("qwen3", "lm"): "Qwen3ForCausalLM", ("qwen3", "scalar"): "Qwen3ForSequenceClassification",
+            ("llama", "lm"): "LlamaForCausalLM", ("llama", "scalar"): "LlamaForSequenceClassification"}
+
+
+def config_to_hf(c: GPTConfig, dtype, tokenizer=None) -> dict:
+    hf = {
+        "architectures": [_HF_ARCH[(c.arch, c.head)]],
+        "model_type": c.arch,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_kv_head,
+        "head_dim": c.head_dim,
+        "max_position_embeddings": c.max_seq_len,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "rms_norm_eps": c.rms_norm_eps,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "use_cache": True,
+    }
+    if c.arch == "llama":
+        hf["mlp_bias"] = False
+    if c.head == "scalar":
+        hf["num_labels"] = 1
+    if tokenizer is not None:
+        hf["eos_token_id"] = tokenizer.eos_id
+        hf["pad_token_id"] = tokenizer.pad_id
+        hf["bos_token_id"] = None
+    else:
+        hf["eos_token_id"] = None
+    return hf
+
+
+def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
+    arch = hf.get("model_type")
+    if arch not in ("qwen3", "llama"):
+        raise ValueError(f"{where}: model_type {arch!r} is not supported (supported: qwen3, llama)")
+    archs = hf.get("architectures") or []
+    head = "scalar" if any(a.endswith("ForSequenceClassification") for a in archs) else "lm"
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(f"{where}: biases in attention/MLP are not supported")
+    rope = hf.get("rope_parameters") or {}
+    rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    rope_scaling = hf.get("rope_scaling")
+    if rope_scaling is None and rope.get("rope_type", "default") != "default":
+        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    n_head = hf["num_attention_heads"]
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
+        n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=hf["hidden_size"],
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        intermediate_size=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_theta), rope_scaling=rope_scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        qk_norm=(arch == "qwen3"), tie_word_embeddings=hf.get("tie_word_embeddings", arch == "qwen3"),
+        arch=arch, head=head,
+    )
+
+
+def config_dict(c: GPTConfig) -> dict:
+    return asdict(c)
+
+
+def config_from_dict(d: dict) -> GPTConfig:
+    names = {f.name for f in fields(GPTConfig)}
+    return GPTConfig(**{k: v for k, v in d.items() if k in names})

@@ -1,0 +1,188 @@
+"""The GPT: packing isolation, the KV cache, log-probs, the scalar head, and equality with transformers."""
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, KVCache, logprobs_from_logits, positions_from_doc_ids, process_logits
+
+torch.set_num_threads(1)
+
+
+def tiny(**kw):
+    base = dict(vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, head_dim=8, intermediate_size=64,
+                max_seq_len=64)
+    base.update(kw)
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**base)).eval()
+
+
+def test_positions_restart_per_document():
+    doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2]])
+    assert positions_from_doc_ids(doc).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+
+
+def test_packed_row_equals_documents_alone():
+    m = tiny()
+    a, b, c = torch.randint(0, 97, (1, 11)), torch.randint(0, 97, (1, 6)), torch.randint(0, 97, (1, 9))
+    packed = torch.cat([a, b, c], 1)
+    doc = torch.tensor([[0] * 11 + [1] * 6 + [2] * 9])
+    with torch.no_grad():
+        lp = m(packed, doc_ids=doc)
+        for x, s in ((a, 0), (b, 11), (c, 17)):
+            torch.testing.assert_close(lp[:, s:s + x.size(1)], m(x), atol=1e-5, rtol=0)
+
+
+def test_attention_never_crosses_documents():
+    # change every token of document A: the logits of document B must not move at all
+    m = tiny()
+    b = torch.randint(0, 97, (1, 8))
+    doc = torch.tensor([[0] * 5 + [1] * 8])
+    with torch.no_grad():
+        out1 = m(torch.cat([torch.randint(0, 97, (1, 5)), b], 1), doc_ids=doc)[:, 5:]
+        out2 = m(torch.cat([torch.randint(0, 97, (1, 5)), b], 1), doc_ids=doc)[:, 5:]
+    assert torch.equal(out1, out2)
+
+
+def test_kv_cache_decoding_equals_full_recompute():
+    m = tiny()
+    x = torch.randint(0, 97, (3, 20))
+    with torch.no_grad():
+        full = m(x)
+        cache = KVCache(m.config, 3, 32, "cpu", torch.float32)
+        steps = [m(x[:, :8], kv_cache=cache)]
+        for t in range(8, 20):
+            steps.append(m(x[:, t:t + 1], kv_cache=cache))
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
+
+
+def test_cross_entropy_ignores_masked_targets_and_reductions_agree():
+    m = tiny()
+    x = torch.randint(0, 97, (2, 12))
+    y = torch.randint(0, 97, (2, 12))
+    y[0, :5] = -100
+    with torch.no_grad():
+        per_tok = m(x, y, reduction="none")
+        assert per_tok.shape == (2, 12) and torch.all(per_tok[0, :5] == 0)
+        torch.testing.assert_close(m(x, y, reduction="sum"), per_tok.sum())
+        torch.testing.assert_close(m(x, y), per_tok.sum() / (y >= 0).sum())
+
+
+def test_token_logprobs_match_log_softmax_and_gradients():
+    m = tiny().train()
+    x = torch.randint(0, 97, (2, 30))
+    y = torch.randint(0, 97, (2, 30))
+    y[1, 3] = -100
+    lp = m.token_logprobs(x, y, chunk=7)  # uneven chunks on purpose
+    ref = torch.log_softmax(m(x).float(), -1).gather(-1, y.clamp(min=0)[..., None]).squeeze(-1)
+    ref = ref.masked_fill(y < 0, 0)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+    g1 = torch.autograd.grad(lp.sum(), m.model.layers[0].mlp.up_proj.weight)[0]
+    g2 = torch.autograd.grad(ref.sum(), m.model.layers[0].mlp.up_proj.weight)[0]
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+def test_process_logits_top_k_top_p_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(process_logits(logits, top_k=2)[0, 2:]).all()
+    kept = ~torch.isinf(process_logits(logits, top_p=0.7))
+    assert kept.tolist() == [[True, True, False, False]]    # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
+    lp = logprobs_from_logits(logits, torch.tensor([[1]]).expand(1, 1).reshape(1), top_p=0.7)
+    assert abs(lp.item() - torch.log(torch.tensor(0.3 / 0.8)).item()) < 1e-6
+
+
+def test_scalar_head_shares_the_trunk():
+    m = tiny()
+    m_rm = GPT(GPTConfig(**{**m.config.__dict__, "head": "scalar"})).eval()
+    m_rm.model.load_state_dict(m.model.state_dict())
+    x = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        v = m_rm(x)
+        h = m.hidden_states(x)
+    assert v.shape == (2, 9)
+    torch.testing.assert_close(v, (h @ m_rm.score.weight.T).squeeze(-1))
+
+
+def test_sequence_longer_than_context_is_a_clear_error():
+    m = tiny()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(torch.zeros(1, 65, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------
+# Equality with the reference implementation (transformers builds the random models; nothing downloaded)
+
+transformers = pytest.importorskip("transformers")
+
+HF_CASES = [
+    ("qwen3", dict(tie_word_embeddings=True, rope_theta=10000.0), None),
+    ("qwen3", dict(tie_word_embeddings=False, rope_theta=1_000_000.0), None),
+    ("llama", dict(tie_word_embeddings=False, rope_theta=500000.0),
+     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16}),
+    ("llama", dict(tie_word_embeddings=True, rope_theta=10000.0), None),
+]
+
+
+def hf_model(arch, kw, rope_scaling):
+    torch.manual_seed(0)
+    common = dict(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6, **kw)
+    if arch == "qwen3":
+        cfg = transformers.Qwen3Config(**common)
+        m = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        if rope_scaling:
+            common["rope_scaling"] = {**rope_scaling, "rope_theta": kw["rope_theta"]}
+        cfg = transformers.LlamaConfig(**common)
+        m = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # random norms too, so a missing or misplaced gain would show
+        for name, p in m.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    return m.eval()
+
+
+@pytest.mark.parametrize("arch,kw,rope_scaling", HF_CASES)
+def test_logits_equal_transformers(tmp_path, arch, kw, rope_scaling):
+    hf = hf_model(arch, kw, rope_scaling)
+    hf.save_pretrained(tmp_path)
+    ours = GPT.from_hf(str(tmp_path)).eval()
+    assert ours.config.arch == arch and ours.config.tie_word_embeddings == kw["tie_word_embeddings"]
+    x = torch.randint(0, 101, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("head", ["lm", "scalar"])
+def test_our_checkpoint_loads_in_transformers(tmp_path, head):
+    m = tiny(head=head, vocab_size=101)
+    if head == "scalar":
+        torch.nn.init.normal_(m.score.weight)
+    m.save_hf(str(tmp_path))
+    cfg = json.load(open(os.path.join(tmp_path, "config.json")))
+    x = torch.randint(0, 101, (2, 10))
+    with torch.no_grad():
+        if head == "lm":
+            assert cfg["architectures"] == ["Qwen3ForCausalLM"]
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+            torch.testing.assert_close(hf(x).logits, m(x), atol=1e-5, rtol=0)
+        else:
+            assert cfg["architectures"] == ["Qwen3ForSequenceClassification"] and cfg["num_labels"] == 1
+            hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+            # transformers pools the score at the last token (no pad id configured, so one row at a time)
+            for row in x:
+                torch.testing.assert_close(hf(row[None]).logits.squeeze(-1), m(row[None])[:, -1], atol=1e-5, rtol=0)
+    again = GPT.from_hf(str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), m(x))
+
+
+def test_from_hf_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        GPT.from_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="gpt2"):
+        GPT.from_hf(str(tmp_path))
