@@ -1,0 +1,283 @@
+"""
+Shared machinery for every stage: distributed setup from torchrun's environment, rank-0 printing,
+seeding, device and dtype, run directories, JSONL metrics, and atomic checkpoints with resume.
+
+DDP here is an equivalence, not a different program: each rank computes the SUM of its token losses
+divided by the GLOBAL token count (all micro-batches, all ranks), and `sync_gradients` all-reduces
+gradients with SUM. N ranks with batch B/N then produce exactly the gradient of one rank with batch B.
+"""
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+
+
+# ------------------------------------------------------------------------------------------------
+# Processes, devices, seeds
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+_DIST = DistInfo()
+
+
+def init_dist(device: str = "auto") -> DistInfo:
+    """Read torchrun's RANK / WORLD_SIZE (a single process when absent): gloo on CPU, nccl on CUDA.
+    On CPU each rank gets cores / local ranks threads: oversubscribed ranks run several times slower."""
+    global _DIST
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if world > 1:
+        if dev.type == "cpu":
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    _DIST = DistInfo(rank, local_rank, world, dev)
+    return _DIST
+
+
+def dist_info() -> DistInfo:
+    return _DIST
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(x):
+    """Sum a tensor (in place) or a Python number across ranks; returns the result."""
+    if not dist.is_initialized():
+        return x
+    if isinstance(x, torch.Tensor):
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+    t = torch.tensor(float(x), dtype=torch.float64, device=_DIST.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.item()
+
+
+def sync_gradients(model):
+    """All-reduce (SUM) every gradient in one flat buffer. Losses are already divided by the global
+    normalizer, so the sum is the full-batch gradient."""
+    if not dist.is_initialized():
+        return
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def cleanup_dist():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def print0(*args, **kwargs):
+    if _DIST.is_main:
+        print(*args, **kwargs, flush=True)
+
+
+def seed_everything(seed: int, rank: int = 0):
+    """Per-rank seeds: ranks must not draw the same samples."""
+    s = seed + 1000 * rank
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+
+
+def autocast(device):
+    """bfloat16 autocast on CUDA where supported; plain float32 elsewhere."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast(dev.type, enabled=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs, configs, metrics
+
+def nanopost_home() -> str:
+    return os.environ.get("NANOPOST_HOME") or os.path.join(REPO, "out")
+
+
+def run_dir(stage: str, run: str) -> str:
+    path = os.path.join(nanopost_home(), stage, run)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def print_config(args, title: str):
+    print0(f"== {title} ==")
+    for k, v in sorted(vars(args).items()):
+        print0(f"  {k:24s} {v}")
+
+
+class MetricsLogger:
+    """Appends one JSON object per line to run_dir/metrics.jsonl (rank 0 only)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.enabled = _DIST.is_main
+
+    def log(self, step: int, **metrics):
+        if not self.enabled:
+            return
+        row = {"step": step, "time": round(time.time(), 3)}
+        row.update({k: (float(v) if isinstance(v, (torch.Tensor, np.floating)) else v) for k, v in metrics.items()})
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def check_finite(loss, step):
+    """A NaN/inf loss is caught, never trained on."""
+    if not torch.isfinite(loss).all():
+        raise FloatingPointError(f"step {step}: loss is {loss.item()}; not training on it. Lower the learning "
+                                 f"rate or check the data (the last checkpoint is intact; --resume restarts there)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Checkpoints: Hugging Face folders plus nanopost's training state, written atomically
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2):
+    """Write run_path/checkpoints/step_XXXXXX/ : config.json, model.safetensors, tokenizer files
+    (what transformers reads), plus optimizer.pt, trainer_state.json and rng_rank{r}.pt (what --resume
+    reads). Everything goes to a .tmp folder that is renamed into place only when complete, so a
+    process killed mid-save leaves the previous checkpoint intact. The `keep` newest are kept."""
+    root = os.path.join(run_path, "checkpoints")
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if _DIST.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_hf(tmp, tokenizer)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, **(state or {})}, f, indent=2)
+    barrier()
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
+    barrier()
+    if _DIST.is_main:
+        for name in os.listdir(tmp):  # make the bytes durable before the rename publishes them
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        for old in list_checkpoints(run_path)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return final
+
+
+def list_checkpoints(run_path) -> list[str]:
+    root = os.path.join(run_path, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))]
+    return [p for _, p in sorted(found) if os.path.isfile(os.path.join(p, "trainer_state.json"))]
+
+
+def latest_checkpoint(run_path):
+    ckpts = list_checkpoints(run_path)
+    return ckpts[-1] if ckpts else None
+
+
+def resolve_model_path(path: str) -> str:
+    """A model folder (has config.json) as is; a run directory -> its latest checkpoint."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path}: neither a model folder (config.json) nor a run directory with "
+                                f"checkpoints; run the previous stage first or pass --init PATH")
+    return ckpt
+
+
+def rng_state():
+    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        s["cuda"] = torch.cuda.get_rng_state_all()
+    return s
+
+
+def load_training_state(ckpt, optimizer=None) -> dict:
+    """Restore optimizer and this rank's RNG from a checkpoint; returns trainer_state.json.
+    Call it AFTER any seeding, so the restored RNG is the one that continues."""
+    if optimizer is not None:
+        optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu",
+                                             weights_only=False))
+    rng_file = os.path.join(ckpt, f"rng_rank{_DIST.rank}.pt")
+    if not os.path.isfile(rng_file):
+        raise FileNotFoundError(f"{rng_file} missing: resume with the same number of ranks as the saved run")
+    s = torch.load(rng_file, weights_only=False)
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        return json.load(f)
+
+
+def die(msg: str):
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Optimization
+
+def make_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.95)):
+    """AdamW; weight decay on matrices only (not on norms' gains)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=False)
+
+
+def lr_at(step, total_steps, base_lr, warmup_steps=0, final_ratio=0.1):
+    """Linear warmup, then cosine decay to final_ratio * base_lr at the last step."""
+    if step < warmup_steps:
+        return base_lr * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return base_lr * (final_ratio + (1 - final_ratio) * 0.5 * (1 + np.cos(np.pi * min(1.0, progress))))
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,445 @@
+"""
+Tokenizer and chat renderer: the contract between SFT, preference training, RL and the engine.
+
+Every stage turns conversations into tokens here and nowhere else, so what a model is trained on,
+what it is prompted with at RL time and what the engine forces into it mid-rollout cannot drift apart.
+
+A conversation is a list of messages {"role": "system" | "user" | "assistant" | "tool", "content": str}.
+An assistant message may also carry "reasoning_content" (its thinking) and "tool_calls":
+[{"name": ..., "arguments": {...} or a JSON string}], or OpenAI's {"type": "function", "function": {...}}.
+
+Three renderings:
+- render_text(): character for character the chat template that ships with Qwen3 checkpoints
+  (QWEN3_CHAT_TEMPLATE, saved into every tokenizer_config.json), so what we train is what
+  transformers, vLLM and friends serve.
+- Tokenizer.render_conversation(): the training render, ids plus a loss mask. It differs from
+  render_text in exactly one place, the think block (see _segments), which makes it prefix-stable:
+  the ids of messages[:i] are the first ids of messages (unless the cut splits a group of tool results).
+- Tokenizer.render_for_completion(): the prompt RL samples from, a token prefix of the training
+  render of the conversation with the reply appended.
+
+Ids are built segment by segment (role header, body, end of turn), each segment encoded on its own.
+So a prompt is always a true token prefix of prompt + completion, even when the completion starts with
+"\n", which BPE would otherwise merge with the header's "\n" (trl#5224, SkyRL#2092).
+
+CLI: python tokenizer.py show FILE.jsonl [--n K] [--tokenizer PATH]   prints rendered rows with the mask.
+"""
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+                  "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# Qwen2/Qwen3's pre-tokenizer: words, single digits (\p{N}, not \p{N}{1,3}), punctuation runs, newline runs
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+ROLES = ("system", "user", "assistant", "tool")
+THINK_OFF = "<think>\n\n</think>\n\n"  # what enable_thinking=False prefills after the assistant header
+TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+              "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+              "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+              '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+# The chat template of Qwen/Qwen3-8B's tokenizer_config.json, verbatim. render_text() reproduces it;
+# Tokenizer.save() ships it so that transformers renders our checkpoints the same way.
+QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+
+# -----------------------------------------------------------------------------
+# Rendering to text
+
+def _tojson(x) -> str:
+    # transformers' tojson filter: json.dumps with ensure_ascii=False (Jinja's own escapes < > & ')
+    return json.dumps(x, ensure_ascii=False)
+
+
+def _check(messages: list[dict]) -> None:
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES:
+            raise ValueError(f"message {i}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = m.get("content")
+        # None is an assistant turn that only calls tools (OpenAI exports); anything else must be text
+        if not (isinstance(content, str) or (content is None and role == "assistant")):
+            raise ValueError(f"message {i} ({role}): content must be a string, got {type(content).__name__}")
+        for call in m.get("tool_calls") or []:
+            fn = (call.get("function") or call) if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"message {i}: tool call without a name: {call!r}")
+
+
+def _last_query_index(messages: list[dict]) -> int:
+    # the last user message that is a real query, not tool results passed as a user turn
+    for i in range(len(messages) - 1, -1, -1):
+        c = messages[i].get("content")
+        if messages[i]["role"] == "user" and isinstance(c, str) and not (
+                c.startswith("<tool_response>") and c.endswith("</tool_response>")):
+            return i
+    return len(messages) - 1
+
+
+def _split_thinking(m: dict) -> tuple[str | None, str]:
+    """(reasoning, content) of an assistant message, read as Qwen3 reads them; reasoning None = no thinking."""
+    content = m.get("content") or ""
+    if isinstance(m.get("reasoning_content"), str):
+        return m["reasoning_content"], content
+    if "</think>" in content:
+        reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+        return reasoning, content.split("</think>")[-1].lstrip("\n")
+    return None, content
+
+
+def _segments(messages: list[dict], tools: list[dict] | None, training: bool) -> list[tuple[str, int]]:
+    """The conversation as (text, mask) segments; mask 1 on what the assistant wrote.
+
+    training=False is the Qwen3 template: a think block only on assistant turns after the last real
+    user query, and there only if the turn has reasoning, or is the last message (then maybe empty).
+    training=True keeps a think block on every assistant turn that has thinking (a "reasoning_content"
+    string, even empty, or "</think>" in its content) and never adds one to a turn without it.
+    That is the only difference, and it makes each turn's rendering independent of what follows.
+    """
+    _check(messages)
+    segs = []
+    system_first = bool(messages) and messages[0]["role"] == "system"
+    if tools:  # the tools block is merged into the system turn
+        system = messages[0]["content"] + "\n\n" if system_first else ""
+        body = system + TOOLS_HEAD + "".join("\n" + _tojson(t) for t in tools) + TOOLS_TAIL
+        segs += [("<|im_start|>system\n", 0), (body, 0), ("<|im_end|>\n", 0)]
+    elif system_first:
+        segs += [("<|im_start|>system\n", 0), (messages[0]["content"], 0), ("<|im_end|>\n", 0)]
+    last_query, last = _last_query_index(messages), len(messages) - 1
+    for i, m in enumerate(messages):
+        role = m["role"]
+        if role == "user" or (role == "system" and i > 0):
+            segs += [(f"<|im_start|>{role}\n", 0), (m["content"], 0), ("<|im_end|>\n", 0)]
+        elif role == "tool":  # consecutive tool results share one user turn
+            first = i == 0 or messages[i - 1]["role"] != "tool"
+            if first:
+                segs.append(("<|im_start|>user\n", 0))
+            segs.append((("" if first else "\n") + f"<tool_response>\n{m['content']}\n</tool_response>", 0))
+            if i == last or messages[i + 1]["role"] != "tool":
+                segs.append(("<|im_end|>\n", 0))
+        elif role == "assistant":
+            reasoning, content = _split_thinking(m)
+            if training:
+                think = reasoning is not None
+            else:
+                think = i > last_query and (i == last or bool(reasoning))
+            body = content
+            if think:
+                body = "<think>\n" + (reasoning or "").strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+            for j, call in enumerate(m.get("tool_calls") or []):
+                call = call.get("function") or call
+                args = call.get("arguments", {})
+                body += "\n" if (j > 0 or content) else ""
+                body += ('<tool_call>\n{"name": "' + call["name"] + '", "arguments": '
+                         + (args if isinstance(args, str) else _tojson(args)) + "}\n</tool_call>")
+            segs += [("<|im_start|>assistant\n", 0), (body, 1), ("<|im_end|>\n", 1)]
+    return segs
+
+
+def render_text(messages: list[dict], tools: list[dict] | None = None,
+                add_generation_prompt: bool = False, enable_thinking: bool = True) -> str:
+    """Exactly what QWEN3_CHAT_TEMPLATE renders (transformers' apply_chat_template(..., tokenize=False))."""
+    text = "".join(text for text, _ in _segments(messages, tools, training=False))
+    if add_generation_prompt:
+        text += "<|im_start|>assistant\n" + ("" if enable_thinking else THINK_OFF)
+    return text
+
+
+def completion_message(text: str, enable_thinking: bool = True) -> dict:
+    """The assistant message for a sampled completion (its text, decoded without the final <|im_end|>).
+
+    With thinking off, the empty think block came from the prompt, not the completion (trl#6361), so it
+    comes back as empty reasoning. Then render_conversation(prompt + [message]) gives exactly
+    render_for_completion(prompt) + encode(text) + <|im_end|>\\n whenever the text is in the template's
+    canonical form ("<think>\\nR\\n</think>\\n\\nA" with thinking on, "A" with it off; A not starting with "\\n").
+    """
+    if enable_thinking:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "reasoning_content": "", "content": text}
+
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """[{"name", "arguments"}] from the <tool_call>\\n{json}\\n</tool_call> blocks of an assistant reply.
+    Raises ValueError on malformed calls (the engine hands the message back to the model as the result)."""
+    text = text.split("</think>")[-1]  # a call written while thinking is not a call
+    calls = []
+    for block in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(block)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tool call is not valid JSON ({e}): {block.strip()!r}") from None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ValueError(f'tool call must be {{"name": ..., "arguments": {{...}}}}, got {block.strip()!r}')
+        if not isinstance(call.get("arguments", {}), dict):
+            raise ValueError(f"tool call arguments must be a JSON object, got {block.strip()!r}")
+        calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
+    if text.count("<tool_call>") != len(calls):
+        raise ValueError("unterminated <tool_call>: every call must end with </tool_call>")
+    return calls
+
+
+# -----------------------------------------------------------------------------
+# Tokenizer
+
+class Tokenizer:
+    """Byte-level BPE (a HF `tokenizers` model) plus the ChatML rendering that every stage uses."""
+
+    def __init__(self, tok: HFTokenizer):
+        self._tok = tok
+        for s in ("<|im_start|>", "<|im_end|>"):  # must be single added tokens, or ChatML cannot be rendered
+            if tok.token_to_id(s) is None or self.encode(s) != [tok.token_to_id(s)]:
+                raise ValueError(f"tokenizer has no {s} token: nanopost renders ChatML and needs "
+                                 "<|im_start|> and <|im_end|> as added tokens")
+        self.im_start_id = tok.token_to_id("<|im_start|>")
+        self.eos_id = tok.token_to_id("<|im_end|>")  # ends every assistant turn: the stop token
+        self.endoftext_id = tok.token_to_id("<|endoftext|>")  # ends documents in pretraining; None if absent
+        self.pad_id = self.eos_id if self.endoftext_id is None else self.endoftext_id
+        self.stop_ids = {self.eos_id} | ({self.endoftext_id} - {None})
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int = 2048) -> "Tokenizer":
+        """Byte-level BPE with Qwen's pre-tokenizer; SPECIAL_TOKENS get ids 0..8. vocab_size counts everything."""
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        return cls(tok)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Tokenizer":
+        """From a tokenizer.json, or a folder holding one (ours, or a real checkpoint's as is)."""
+        path = Path(path)
+        path = path / "tokenizer.json" if path.is_dir() else path
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        return cls(HFTokenizer.from_file(str(path)))
+
+    def save(self, folder: str | Path, model_max_length: int = 32768) -> None:
+        """tokenizer.json + tokenizer_config.json, loadable by transformers.AutoTokenizer."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(folder / "tokenizer.json"))
+        added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                          "single_word": t.single_word, "special": t.special}
+                 for i, t in sorted(self._tok.get_added_tokens_decoder().items())}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
+                  "bos_token": None, "eos_token": "<|im_end|>", "pad_token": self.id_to_token(self.pad_id),
+                  "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
+                  "model_max_length": model_max_length, "chat_template": QWEN3_CHAT_TEMPLATE}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Special-token strings inside text become their ids."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(i)
+
+    def _encode_segments(self, segs: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+        ids, mask = [], []
+        for text, m in segs:
+            piece = self.encode(text)
+            ids += piece
+            mask += [m] * len(piece)
+        return ids, mask
+
+    def render_conversation(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> tuple[list[int], list[int]]:
+        """Training render: (ids, mask). mask is 1 on each assistant turn's think block, text, tool calls,
+        <|im_end|> and the "\\n" after it; 0 on role headers, system, user and tool-result tokens.
+        decode(ids) is render_text(messages) except for the think blocks (see _segments)."""
+        segs = _segments(messages, tools, training=True)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"no assistant message among the {len(messages)} messages: nothing to train on")
+        return self._encode_segments(segs)
+
+    def render_for_completion(self, messages: list[dict], tools: list[dict] | None = None,
+                              enable_thinking: bool = True) -> list[int]:
+        """The prompt to sample the next assistant turn from: ends with <|im_start|>assistant\\n (+ an empty
+        think block when thinking is off). A token prefix of render_conversation(messages + [reply]); unlike
+        render_text(..., add_generation_prompt=True), earlier turns keep their thinking, as in training."""
+        segs = _segments(messages, tools, training=True) + [("<|im_start|>assistant\n", 0)]
+        if not enable_thinking:
+            segs.append((THINK_OFF, 0))
+        return self._encode_segments(segs)[0]
+
+    def render_tool_responses(self, contents: list[str], enable_thinking: bool = True) -> list[int]:
+        """What the engine forces after the model ends a tool-calling turn with <|im_end|>: the "\\n" that
+        closes that turn, the tool results as one user turn, and the next <|im_start|>assistant\\n (+ an empty
+        think block when thinking is off). Exactly the ids render_conversation puts there."""
+        tool_msgs = [{"role": "tool", "content": c} for c in contents]
+        segs = [("\n", 0)] + _segments(tool_msgs, None, training=True) + [("<|im_start|>assistant\n", 0)]
+        if not enable_thinking:
+            segs.append((THINK_OFF, 0))
+        return self._encode_segments(segs)[0]
+
+    def visualize(self, ids: list[int], mask: list[int]) -> str:
+        """ANSI view: gray = not trained (mask 0), bright = trained; the background alternates per token."""
+        out = []
+        for k, (i, m) in enumerate(zip(ids, mask)):
+            style = ("\033[97m" if m else "\033[90m") + ("\033[48;5;236m" if k % 2 else "\033[48;5;239m")
+            lines = self.decode([i]).replace("\n", "↵\n").split("\n")  # a char split over tokens shows as �
+            out.append("\n".join(style + line + "\033[0m" if line else "" for line in lines))
+        return "".join(out)
+
+
+# -----------------------------------------------------------------------------
+# CLI
+
+def default_tokenizer_path() -> Path:
+    home = Path(os.environ.get("NANOPOST_HOME", Path(__file__).resolve().parent / "out"))
+    return home / "tokenizer" / "tokenizer.json"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="nanopost tokenizer tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="print rendered conversations with the loss mask")
+    show.add_argument("file", help='JSONL with rows {"messages": [...], "tools": [...] (optional)}')
+    show.add_argument("--n", type=int, default=3, help="how many conversations to print")
+    show.add_argument("--tokenizer", default=None, help="tokenizer.json or a folder with one")
+    args = parser.parse_args(argv)
+
+    path = Path(args.tokenizer) if args.tokenizer else default_tokenizer_path()
+    if not path.exists():
+        sys.exit(f"no tokenizer at {path}: run `python base_train.py` first, or pass --tokenizer PATH")
+    tok = Tokenizer.load(path)
+    print("legend: \033[90mgray = masked out (mask 0)\033[0m, \033[97mbright = trained (mask 1)\033[0m; "
+          "the background alternates per token; ↵ = newline")
+    shown = 0
+    with open(args.file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if shown == args.n:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+                    raise ValueError('expected a row {"messages": [...]}')
+                ids, mask = tok.render_conversation(row["messages"], row.get("tools"))
+            except ValueError as e:  # JSONDecodeError is a ValueError
+                sys.exit(f"{args.file}:{lineno}: {e}")
+            print(f"\n=== {args.file}:{lineno}: {len(ids)} tokens, {sum(mask)} trained")
+            print(tok.visualize(ids, mask))
+            shown += 1
+
+
+if __name__ == "__main__":
+    main()
