@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,6 +160,12 @@ class MetricsLogger:
             f.write(json.dumps(row) + "\n")
 
 
+def write_eval(run_path: str, metrics: dict):
+    """A stage's held-out metrics, which --report gathers."""
+    with open(os.path.join(run_path, "eval.json"), "w") as f:
+        json.dump({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}, f, indent=2)
+
+
 def check_finite(loss, step):
     """A NaN/inf loss is caught, never trained on."""
     if not torch.isfinite(loss).all():
@@ -253,13 +260,69 @@ def load_training_state(ckpt, optimizer=None) -> dict:
         return json.load(f)
 
 
-def die(msg: str):
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(1)
+# ------------------------------------------------------------------------------------------------
+# Packing: examples are (inputs, targets) pairs built per document, so a label never crosses documents
+
+IGNORE = -100  # the target of a position that is not trained
+
+
+def pack_bfd(lengths, capacity):
+    """Best-fit decreasing: longest first, each into the open row with the least room that still fits
+    it (a new row when none does). Returns rows as lists of example indices. O(n * capacity)."""
+    rows, by_room = [], defaultdict(list)  # room left -> rows with exactly that much room
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if n > capacity:
+            raise ValueError(f"example {i} has {n} tokens, more than the row capacity {capacity}")
+        room = next((r for r in range(n, capacity + 1) if by_room[r]), None)
+        if room is None:
+            rows.append([i])
+            r, left = len(rows) - 1, capacity - n
+        else:
+            r = by_room[room].pop()
+            rows[r].append(i)
+            left = room - n
+        by_room[left].append(r)
+    return rows
+
+
+def collate(examples, row, pad_id, length=None):
+    """One row of packed examples -> inputs, targets, doc_ids (padding is a document of its own)."""
+    inputs, targets, docs = [], [], []
+    for d, i in enumerate(row):
+        x, y = examples[i]
+        inputs += x
+        targets += y
+        docs += [d] * len(x)
+    pad = (length or len(inputs)) - len(inputs)
+    return inputs + [pad_id] * pad, targets + [IGNORE] * pad, docs + [len(row)] * pad
+
+
+def make_batch(examples, rows, pad_id, seq_len, packing, device):
+    """Tensors for a list of rows. Packed rows are seq_len long with document ids; padded rows are
+    as long as the longest in the batch, right-padded, no document ids needed (causal attention never
+    looks right)."""
+    length = seq_len if packing == "bfd" else max(sum(len(examples[i][0]) for i in row) for row in rows)
+    cols = [collate(examples, row, pad_id, length) for row in rows]
+    x, y, d = (torch.tensor([c[k] for c in cols], device=device) for k in range(3))
+    return x, y, (d if packing == "bfd" else None)
 
 
 # ------------------------------------------------------------------------------------------------
 # Optimization
+
+def epoch_batch(num_rows, step, batch_size, seed):
+    """Indices of the global batch at `step`: a fresh permutation every epoch, a pure function of
+    (seed, step), so that a resumed run reads exactly the rows an uninterrupted one would, epoch
+    boundaries included."""
+    start = step * batch_size
+    out = []
+    while len(out) < batch_size:
+        epoch, offset = divmod(start + len(out), num_rows)
+        perm = np.random.RandomState(seed + epoch).permutation(num_rows)
+        out.extend(perm[offset:offset + batch_size - len(out)].tolist())
+    return out
+
 
 def make_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.95)):
     """AdamW; weight decay on matrices only (not on norms' gains)."""
@@ -281,3 +344,21 @@ def lr_at(step, total_steps, base_lr, warmup_steps=0, final_ratio=0.1):
 def set_lr(optimizer, lr):
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def progress(iterable, **kwargs):
+    """A tqdm bar on rank 0; in a log file (no terminal) it updates every 30 s instead of flooding it."""
+    from tqdm import tqdm
+    return tqdm(iterable, disable=not _DIST.is_main, dynamic_ncols=True,
+                mininterval=0.1 if sys.stderr.isatty() else 30, **kwargs)
+
+
+def optimizer_step(model, optimizer, grad_clip):
+    """Sum gradients over ranks, clip, step, zero. Returns the gradient norm before clipping."""
+    sync_gradients(model)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if not torch.isfinite(norm):
+        raise FloatingPointError(f"gradient norm is {norm.item()}; not stepping on it. Lower the learning rate")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm.item()

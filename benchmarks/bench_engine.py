@@ -54,8 +54,8 @@ if __name__ == "__main__":
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     # the default base of base_train.py
-    model = GPT(GPTConfig(vocab_size=1024, n_layer=4, n_head=6, n_kv_head=2, n_embd=192, head_dim=32,
-                          intermediate_size=768, max_seq_len=512)).eval()
+    model = GPT(GPTConfig(vocab_size=1024, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, head_dim=32,
+                          intermediate_size=512, max_seq_len=512)).eval()
     engine = Engine(model, NoStopTokenizer())
     prompts = torch.randint(1, 1024, (args.batch, args.prompt_len)).tolist()
     n_new = args.batch * args.new_tokens

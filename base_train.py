@@ -1,0 +1,208 @@
+"""
+Pretrain the tiny base model of the embedded default world.
+
+Real users start from a real base checkpoint (Qwen3-0.6B-Base, ...) and skip this script. The
+embedded default cannot download one, so this script makes one in a few minutes of CPU: it trains
+the byte-level BPE tokenizer on the world's text, then a small GPT on the world's plain-text stream
+(word problems followed by their worked solutions, no chat tokens), the next-token loss on every
+token, as in any pretraining (the nanoGPT recipe). The base it leaves behind writes the solution
+format ("... = 19 apples.\\n#### 19"), which is what SFT then puts in the chat format.
+
+    python base_train.py                                          # 1 CPU, the defaults (a few minutes)
+    python base_train.py --device cuda --n-layer 8 --n-embd 512   # 1 GPU, a bigger base
+    torchrun --standalone --nproc_per_node=2 base_train.py        # N ranks (gloo on CPU, nccl on GPU)
+
+Writes $NANOPOST_HOME/tokenizer/ and $NANOPOST_HOME/base/<run>/ (checkpoints/, metrics.jsonl).
+Resume a killed run with --resume.
+"""
+import argparse
+import math
+import os
+import time
+
+import torch
+
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, check_finite, cleanup_dist, init_dist, latest_checkpoint,
+                    load_training_state, lr_at, make_batch, make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0,
+                    print_config, progress, epoch_batch, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+from model import GPT, GPTConfig
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--run", default="default", help="run name: output goes to $NANOPOST_HOME/base/<run>")
+parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+parser.add_argument("--seed", type=int, default=0)
+# tokenizer
+parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size, specials included")
+parser.add_argument("--tokenizer", default=None, help="use this tokenizer.json instead of training one")
+# model
+parser.add_argument("--n-layer", type=int, default=4)
+parser.add_argument("--n-embd", type=int, default=128)
+parser.add_argument("--n-head", type=int, default=4)
+parser.add_argument("--n-kv-head", type=int, default=2)
+parser.add_argument("--max-seq-len", type=int, default=512, help="the model's context (positions)")
+# data and optimization
+parser.add_argument("--num-docs", type=int, default=40000, help="training documents (problems with solutions)")
+parser.add_argument("--seq-len", type=int, default=256, help="tokens per training row")
+parser.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step, all ranks together")
+parser.add_argument("--device-batch-size", type=int, default=16, help="rows per forward pass (gradient accumulation above it)")
+parser.add_argument("--steps", type=int, default=600)
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--warmup-steps", type=int, default=30)
+parser.add_argument("--weight-decay", type=float, default=0.1)
+parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--compile", action="store_true", help="torch.compile the model (+~20%% after a ~30 s compile)")
+# evaluation and checkpoints
+parser.add_argument("--eval-every", type=int, default=100)
+parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems sampled at the end")
+parser.add_argument("--save-every", type=int, default=200)
+parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+
+
+def build_tokenizer(args, dist):
+    """Train the BPE on the world's text (plain documents and rendered chats, so chat words are in
+    the vocabulary), once, shared by every stage through $NANOPOST_HOME/tokenizer/."""
+    from tasks import pretrain_text, sft_conversations
+    from tokenizer import Tokenizer, render_text
+    if args.tokenizer:
+        return Tokenizer.load(args.tokenizer)
+    path = os.path.join(nanopost_home(), "tokenizer")
+    if dist.is_main and not (args.resume and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+        t0 = time.time()
+        texts = pretrain_text("train", 20000, seed=args.seed)
+        texts += [render_text(c["messages"], tools=c.get("tools")) for c in sft_conversations("train", 5000, seed=args.seed)]
+        tok = Tokenizer.train(texts, vocab_size=args.vocab_size)
+        tok.save(path)
+        print0(f"tokenizer: vocab {tok.vocab_size}, trained in {time.time() - t0:.1f}s -> {path}")
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+    return Tokenizer.load(path)
+
+
+def documents(tok, split, num_docs, seed):
+    """Each document is its own example, ending with <|endoftext|> so the base learns where a
+    document stops. Inputs and targets are built per document, then packed best-fit into rows where
+    attention and positions restart at every document: exactly how SFT conversations and inference
+    prompts are seen (a prompt at position 0, with nothing before it)."""
+    from tasks import pretrain_text
+    examples = []
+    for doc in pretrain_text(split, num_docs, seed=seed):
+        ids = tok.encode(doc) + [tok.endoftext_id]
+        examples.append((ids[:-1], ids[1:]))
+    return examples
+
+
+@torch.no_grad()
+def eval_loss(model, examples, rows, pad_id, seq_len, device, batch_size=32):
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        x, y, d = make_batch(examples, rows[i:i + batch_size], pad_id, seq_len, "bfd", device)
+        with autocast(device):
+            total += model(x, y, doc_ids=d, reduction="sum").item()
+        count += (y != IGNORE).sum().item()
+    model.train()
+    return total / count
+
+
+@torch.no_grad()
+def eval_samples(model, tok, n, seed, max_new_tokens=160):
+    """Greedy-complete held-out questions the way the base saw them ("question\\n") and grade them."""
+    from engine import Engine
+    from tasks import format_ok, generate_problems, verify
+    problems = generate_problems("test", n, seed=seed)
+    prompts = [tok.encode(p.question + "\n") for p in problems]
+    outs = Engine(model, tok).generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+    texts = [tok.decode([t for t in o.tokens if t not in tok.stop_ids]) for o in outs]
+    return {
+        "format_rate": sum(format_ok(t) for t in texts) / n,
+        "pass@1": sum(verify("gsm8k", t, str(p.answer)) for t, p in zip(texts, problems)) / n,
+        "stop_rate": sum(o.finish_reason == "stop" for o in outs) / n,
+    }, [(p.question, t) for p, t in zip(problems[:3], texts[:3])]
+
+
+if __name__ == "__main__":
+    args = parser.parse_args()
+    dist = init_dist(args.device)
+    device = dist.device
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "base_train")
+    out_dir = run_dir("base", args.run)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+
+    tok = build_tokenizer(args, dist)
+    train_ex = documents(tok, "train", args.num_docs, args.seed)
+    val_ex = documents(tok, "val", 500, args.seed)
+    train_rows = pack_bfd([len(x) for x, _ in train_ex], args.seq_len)
+    val_rows = pack_bfd([len(x) for x, _ in val_ex], args.seq_len)
+    n_tokens = sum(len(x) for x, _ in train_ex)
+    print0(f"data: {len(train_ex):,} documents, {n_tokens:,} tokens in {len(train_rows):,} rows of {args.seq_len} "
+           f"({n_tokens / (len(train_rows) * args.seq_len):.1%} full); "
+           f"{args.steps * args.batch_size / len(train_rows):.2f} epochs")
+
+    if args.batch_size % (args.device_batch_size * dist.world_size):
+        parser.error(f"--batch-size {args.batch_size} must be a multiple of --device-batch-size x ranks "
+                     f"({args.device_batch_size} x {dist.world_size})")
+    accum = args.batch_size // (args.device_batch_size * dist.world_size)
+    config = GPTConfig(vocab_size=tok.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
+                       n_embd=args.n_embd, head_dim=args.n_embd // args.n_head, intermediate_size=4 * args.n_embd,
+                       max_seq_len=args.max_seq_len)
+    model = GPT(config).to(device)
+    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    start_step = 0
+    if args.resume:
+        ckpt = latest_checkpoint(out_dir)
+        if ckpt is None:
+            print0(f"--resume: no checkpoint in {out_dir}; starting from scratch")
+        else:
+            model = GPT.from_hf(ckpt, device=device)
+            optimizer = make_optimizer(model, args.lr, args.weight_decay)
+            start_step = load_training_state(ckpt, optimizer)["step"]
+            print0(f"resumed from {ckpt} at step {start_step}")
+    elif dist.is_main and os.path.exists(log.path):
+        os.remove(log.path)  # a fresh run starts a fresh log
+    print0(f"model: {model.num_params():,} parameters, {config}")
+    fwd = torch.compile(model) if args.compile else model
+
+    bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="base")
+    t_last, tokens_since = time.time(), 0
+    for step in bar:
+        lr = lr_at(step, args.steps, args.lr, args.warmup_steps)
+        set_lr(optimizer, lr)
+        rows = epoch_batch(len(train_rows), step, args.batch_size, args.seed)
+        my_rows = [train_rows[i] for i in rows[dist.rank::dist.world_size]]  # this rank's share
+        micro = [make_batch(train_ex, my_rows[a * args.device_batch_size:(a + 1) * args.device_batch_size],
+                            tok.pad_id, args.seq_len, "bfd", device) for a in range(accum)]
+        # mean over every target token of the global batch (all micro-batches, all ranks)
+        n_global = all_reduce_sum(float(sum((y != IGNORE).sum().item() for _, y, _ in micro)))
+        loss_sum = 0.0
+        for x, y, d in micro:
+            with autocast(device):
+                loss = fwd(x, y, doc_ids=d, reduction="sum") / n_global
+            check_finite(loss, step)
+            loss.backward()
+            loss_sum += loss.item()
+        grad_norm = optimizer_step(model, optimizer, args.grad_clip)
+        loss_sum = all_reduce_sum(loss_sum)
+        tokens_since += n_global
+        metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4)}
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            dt = time.time() - t_last
+            metrics.update(val_loss=round(eval_loss(model, val_ex, val_rows, tok.pad_id, args.seq_len, device), 6),
+                           tokens_per_s=round(tokens_since / dt))
+            t_last, tokens_since = time.time(), 0
+            if dist.is_main:
+                bar.write(f"step {step + 1}: loss {loss_sum:.4f}  val {metrics['val_loss']:.4f}  "
+                          f"{metrics['tokens_per_s']:,} tok/s")
+        log.log(step + 1, **metrics)
+        bar.set_postfix(loss=f"{loss_sum:.3f}", lr=f"{lr:.1e}", refresh=False)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+
+    if dist.is_main and args.eval_problems > 0:
+        scores, examples = eval_samples(model, tok, args.eval_problems, args.seed)
+        for q, t in examples:
+            print0(f"--- sample ---\n{q}\n{t}")
+        print0(f"held-out ({args.eval_problems} problems, greedy): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        log.log(args.steps, **{f"final/{k}": v for k, v in scores.items()})
+        write_eval(out_dir, scores)
+    cleanup_dist()

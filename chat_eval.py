@@ -1,0 +1,121 @@
+"""
+Evaluate a chat checkpoint on held-out problems, and gather the pipeline's report.
+
+Each held-out RL row (a prompt, its ground truth and its verifier) is rendered as the prompt RL samples
+from, completed by the engine, and graded by the row's verifier on the answer (the text after the
+last </think>). Metrics:
+    pass@k       unbiased estimate from n samples per prompt (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
+    format_rate  completions with exactly one parseable final answer (`#### N` for the default world)
+    stop_rate    completions that ended with <|im_end|> before the length limit
+    mean_length  completion tokens
+
+    python chat_eval.py --model out/sft/default                  # greedy pass@1 on 200 held-out problems
+    python chat_eval.py --model PATH --num-samples 8 --temperature 1.0   # pass@1..8
+    python chat_eval.py --report                                 # every stage's eval.json -> report.json
+"""
+import argparse
+import json
+import os
+from math import comb
+
+import torch
+
+from common import init_dist, nanopost_home, print0, resolve_model_path
+from engine import Engine
+from tasks import CALCULATOR_SCHEMA, TOOLS, format_ok, rl_prompts, verify
+
+STAGES = ("base", "sft", "rm", "dpo", "rl", "ppo")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples (drawn from n, of which c are correct) is correct.
+    With p = c/n and n large this is the seed's 1 - (1 - p)^k: p = 0.3 -> 0.3000, 0.7599, 0.9424, 0.9967."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def answer_text(text: str) -> str:
+    """What the verifier grades: the final answer after any thinking, without the end-of-turn token."""
+    text = text.split("</think>")[-1]
+    for stop in ("<|im_end|>", "<|endoftext|>"):
+        text = text.replace(stop, "")
+    return text.strip()
+
+
+@torch.no_grad()
+def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None,
+                  seed=0, use_tools=False, batch_size=64):
+    """Sample and grade; returns metrics (pass@1..num_samples, format_rate, stop_rate, mean_length).
+    use_tools offers the calculator (its schema in the prompt, executed by the engine mid-rollout)."""
+    schemas = [CALCULATOR_SCHEMA] if use_tools else None
+    engine = Engine(model, tok, tools=TOOLS if use_tools else None)
+    per_prompt, fmt, stops, lengths = [], 0, 0, 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        prompts = [tok.render_for_completion(r["prompt"], tools=r.get("tools") or schemas) for r in chunk]
+        outs = engine.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i)
+        for j, r in enumerate(chunk):
+            correct = 0
+            for o in outs[j * num_samples:(j + 1) * num_samples]:
+                answer = answer_text(tok.decode(o.tokens))
+                correct += verify(r["verifier"], answer, r["ground_truth"]) == 1.0
+                fmt += format_ok(answer) if r["verifier"] == "gsm8k" else 1
+                stops += o.finish_reason == "stop"
+                lengths += len(o.tokens)
+            per_prompt.append(correct)
+    n_total = len(rows) * num_samples
+    metrics = {f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in per_prompt) / len(rows)
+               for k in range(1, num_samples + 1)}
+    metrics.update(format_rate=fmt / n_total, stop_rate=stops / n_total, mean_length=lengths / n_total)
+    return metrics
+
+
+def report(run: str = "default") -> dict:
+    """Gather $NANOPOST_HOME/<stage>/<run>/eval.json into $NANOPOST_HOME/report.json and print a table."""
+    rep = {}
+    for stage in STAGES:
+        path = os.path.join(nanopost_home(), stage, run, "eval.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                rep[stage] = json.load(f)
+    out = os.path.join(nanopost_home(), "report.json")
+    with open(out, "w") as f:
+        json.dump(rep, f, indent=2)
+    cols = ["pass@1", "format_rate", "stop_rate", "pair_accuracy"]
+    print(f"{'stage':8s}" + "".join(f"{c:>15s}" for c in cols))
+    for stage, m in rep.items():
+        print(f"{stage:8s}" + "".join(f"{m[c]:15.3f}" if c in m else f"{'-':>15s}" for c in cols))
+    print(f"report -> {out}")
+    return rep
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="evaluate a chat checkpoint on held-out problems")
+    ap.add_argument("--model", help="model folder or run directory (its latest checkpoint)")
+    ap.add_argument("--report", action="store_true", help="gather every stage's eval.json into report.json")
+    ap.add_argument("--run", default="default", help="run name, with --report")
+    ap.add_argument("--n", type=int, default=200, help="held-out problems")
+    ap.add_argument("--num-samples", type=int, default=1)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--tools", action="store_true", help="offer the calculator tool")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    if args.report:
+        report(args.run)
+    elif not args.model:
+        ap.error("pass --model PATH or --report")
+    else:
+        from model import GPT
+        from tokenizer import Tokenizer
+        dist = init_dist(args.device)
+        path = resolve_model_path(args.model)
+        model, tok = GPT.from_hf(path, device=dist.device), Tokenizer.load(path)
+        rows = rl_prompts("test", args.n)
+        m = evaluate_chat(model, tok, rows, args.num_samples, args.max_new_tokens, args.temperature, args.top_k,
+                          args.top_p, use_tools=args.tools)
+        print0(json.dumps({k: round(v, 4) for k, v in m.items()}, indent=2))

@@ -1,0 +1,228 @@
+"""
+Supervised fine-tuning (SFT): copy the expert, with the loss on exactly the assistant's tokens.
+
+The first stage of every recipe (InstructGPT, Ouyang et al. 2022, https://arxiv.org/abs/2203.02155).
+Each conversation is rendered by tokenizer.render_conversation into ids and a loss mask that is 1
+exactly on what the assistant wrote (its thinking, text, tool calls, its <|im_end|>) and 0 on system,
+user and tool-result tokens. The model reads the whole conversation as context and is graded only on
+the mask-1 tokens: skip the mask and it learns to write user turns too; leave <|im_end|> out of it
+and it never learns to stop.
+
+Conversations are packed best-fit-decreasing into fixed-length rows, each conversation a document of
+its own (positions restart, attention never crosses), or padded one per row with --packing none.
+
+    python chat_sft.py                                              # 1 CPU, the embedded world
+    python chat_sft.py --data my.jsonl --init /models/Qwen3-0.6B-Base --device cuda   # 1 GPU
+    torchrun --standalone --nproc_per_node=8 chat_sft.py --data my.jsonl --init ...  # N GPUs
+
+Data: --data FILE.jsonl with rows {"messages": [...], "tools": [...]?}; validated before any model
+is loaded. Writes $NANOPOST_HOME/sft/<run>/ (checkpoints/, metrics.jsonl, eval.json).
+"""
+import argparse
+import math
+import os
+
+import torch
+
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, check_finite, cleanup_dist, init_dist, latest_checkpoint,
+                    load_training_state, lr_at, make_batch, make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config,
+                    progress, epoch_batch, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+
+parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
+parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
+parser.add_argument("--run", default="default", help="run name: output goes to $NANOPOST_HOME/sft/<run>")
+parser.add_argument("--device", default="auto")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows (default: the embedded world)")
+parser.add_argument("--num-train", type=int, default=6000, help="embedded-world training conversations")
+parser.add_argument("--num-val", type=int, default=200, help="embedded-world validation conversations")
+parser.add_argument("--packing", choices=["bfd", "none"], default="bfd", help="best-fit-decreasing packing, or one conversation per padded row")
+parser.add_argument("--overlong", choices=["drop", "crop"], default="drop", help="what to do with a conversation longer than --seq-len")
+parser.add_argument("--seq-len", type=int, default=512, help="tokens per row")
+parser.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step, all ranks together")
+parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass")
+parser.add_argument("--epochs", type=float, default=1.0)
+parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
+parser.add_argument("--lr", type=float, default=1e-3)
+parser.add_argument("--warmup-steps", type=int, default=10)
+parser.add_argument("--final-lr-ratio", type=float, default=0.1, help="cosine decay to this fraction of --lr")
+parser.add_argument("--weight-decay", type=float, default=0.0)
+parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
+parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems sampled at the end (and at --sample-every)")
+parser.add_argument("--sample-every", type=int, default=0, help="steps between sampling evals (0: only at the end)")
+parser.add_argument("--max-new-tokens", type=int, default=192)
+parser.add_argument("--save-every", type=int, default=200)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--compile", action="store_true")
+
+
+# ------------------------------------------------------------------------------------------------
+# The loss
+
+def sft_example(ids, mask):
+    """Inputs and targets of one conversation: predict token t+1 from tokens <= t, graded only where
+    token t+1 is the assistant's. Built per conversation BEFORE packing, so a label can never be rolled
+    across the boundary of two packed conversations (verl#6475)."""
+    if len(ids) != len(mask) or len(ids) < 2:
+        raise ValueError("ids and mask must have the same length (>= 2)")
+    targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
+    if all(t == IGNORE for t in targets):
+        raise ValueError("the loss mask is all zero: this conversation has nothing to train on")
+    return ids[:-1], targets
+
+
+def sft_loss(per_token_loss, targets, num_trained_global):
+    """Sum of the per-token cross-entropy over trained tokens, divided by the number of trained tokens
+    in the WHOLE global batch (all micro-batches, all ranks). Dividing each micro-batch by its own
+    count instead would weight a token of a short micro-batch more than one of a long one, and make the
+    gradient depend on how the batch was split (open-instruct#1137, verl#5625).
+
+    Worked numbers (seed, the twelve-token example): five graded tokens with p = 0.40, 0.85, 0.92, 0.78,
+    0.96 give -log(0.40*0.85*0.92*0.78*0.96) = 1.4515, / 5 = 0.2903; grading all twelve gives 0.5710."""
+    return (per_token_loss * (targets != IGNORE)).sum() / num_trained_global
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: render, handle overlong conversations, pack or pad
+
+def render_examples(tok, rows, seq_len, overlong):
+    """Render every conversation; returns (examples, counts). A conversation whose inputs exceed seq_len
+    is dropped or cropped (never silently): both are counted and reported."""
+    examples, counts = [], {"kept": 0, "dropped": 0, "cropped": 0, "dropped_empty_after_crop": 0}
+    for r in rows:
+        ids, mask = tok.render_conversation(r["messages"], tools=r.get("tools"))
+        if len(ids) - 1 > seq_len:
+            if overlong == "drop":
+                counts["dropped"] += 1
+                continue
+            ids, mask = ids[:seq_len + 1], mask[:seq_len + 1]
+            if not any(mask[1:]):
+                counts["dropped_empty_after_crop"] += 1
+                continue
+            counts["cropped"] += 1
+        examples.append(sft_example(ids, mask))
+        counts["kept"] += 1
+    return examples, counts
+
+
+def build_rows(examples, seq_len, packing):
+    if packing == "bfd":
+        return pack_bfd([len(x) for x, _ in examples], seq_len)
+    return [[i] for i in range(len(examples))]
+
+
+@torch.no_grad()
+def validation_loss(model, examples, rows, pad_id, seq_len, packing, device, batch_size=16):
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        x, y, d = make_batch(examples, rows[i:i + batch_size], pad_id, seq_len, packing, device)
+        with autocast(device):
+            total += model(x, y, doc_ids=d, reduction="sum").item()
+        count += (y != IGNORE).sum().item()
+    model.train()
+    return total / max(1, count)
+
+
+if __name__ == "__main__":
+    from chat_eval import evaluate_chat
+    from model import GPT
+    from tasks import load_sft, rl_prompts, sft_conversations
+    from tokenizer import Tokenizer
+
+    args = parser.parse_args()
+    dist = init_dist(args.device)
+    device = dist.device
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "chat_sft")
+    out_dir = run_dir("sft", args.run)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+
+    # data first: a malformed file fails before any model is loaded
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"))
+    tok = Tokenizer.load(init)
+    train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
+    val_rows = sft_conversations("val", args.num_val, seed=args.seed) if not args.data else \
+        train_rows[-max(1, len(train_rows) // 50):]  # a user file: hold out its last 2%
+    if args.data:
+        train_rows = train_rows[:len(train_rows) - len(val_rows)]
+    train_ex, counts = render_examples(tok, train_rows, args.seq_len, args.overlong)
+    val_ex, _ = render_examples(tok, val_rows, args.seq_len, args.overlong)
+    if not train_ex:
+        raise SystemExit(f"no training conversation fits in --seq-len {args.seq_len}: {counts}")
+    rows = build_rows(train_ex, args.seq_len, args.packing)
+    val_batches = build_rows(val_ex, args.seq_len, args.packing)
+    n_tokens = sum(len(x) for x, _ in train_ex)
+    n_trained = sum(sum(t != IGNORE for t in y) for _, y in train_ex)
+    print0(f"data: {counts} conversations over {len(rows)} rows ({args.packing}); {n_tokens:,} tokens, "
+           f"{n_trained:,} trained ({n_trained / n_tokens:.0%})")
+    if counts["dropped"] or counts["cropped"]:
+        print0(f"note: {counts['dropped']} dropped and {counts['cropped']} cropped for exceeding --seq-len "
+               f"{args.seq_len} (--overlong {args.overlong})")
+
+    per_step = args.batch_size
+    if per_step % (args.device_batch_size * dist.world_size):
+        parser.error(f"--batch-size must be a multiple of --device-batch-size x ranks "
+                     f"({args.device_batch_size} x {dist.world_size})")
+    accum = per_step // (args.device_batch_size * dist.world_size)
+    steps_per_epoch = math.ceil(len(rows) / per_step)
+    total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
+
+    ckpt = latest_checkpoint(out_dir) if args.resume else None
+    model = GPT.from_hf(ckpt or init, device=device)
+    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    start_step = 0
+    if ckpt:
+        start_step = load_training_state(ckpt, optimizer)["step"]
+        print0(f"resumed from {ckpt} at step {start_step}")
+    elif dist.is_main and os.path.exists(log.path):
+        os.remove(log.path)  # a fresh run starts a fresh log
+    print0(f"model: {model.num_params():,} parameters from {init}; {total_steps} steps "
+           f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
+    fwd = torch.compile(model) if args.compile else model
+
+    bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft")
+    for step in bar:
+        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
+        set_lr(optimizer, lr)
+        step_rows = [rows[i] for i in epoch_batch(len(rows), step, per_step, args.seed)]
+        my_rows = step_rows[dist.rank::dist.world_size]  # this rank's share of the global batch
+        micro = [make_batch(train_ex, my_rows[a * args.device_batch_size:(a + 1) * args.device_batch_size],
+                            tok.pad_id, args.seq_len, args.packing, device) for a in range(accum)]
+        # the normalizer: trained tokens of the whole global batch
+        n_global = all_reduce_sum(float(sum((y != IGNORE).sum().item() for _, y, _ in micro)))
+        if n_global == 0:  # nothing to train on: skip rather than divide 0 by 0 (nanochat#834)
+            print0(f"step {step + 1}: no trained token in the batch, skipped")
+            continue
+        loss_sum = 0.0
+        for x, y, d in micro:
+            with autocast(device):
+                loss = sft_loss(fwd(x, y, doc_ids=d, reduction="none"), y, n_global)
+            check_finite(loss, step)
+            loss.backward()
+            loss_sum += loss.item()
+        grad_norm = optimizer_step(model, optimizer, args.grad_clip)
+        loss_sum = all_reduce_sum(loss_sum)
+        metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4),
+                   "trained_tokens": int(n_global)}
+        if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
+            metrics["val_loss"] = round(validation_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len,
+                                                        args.packing, device), 6)
+            if dist.is_main:
+                bar.write(f"step {step + 1}: loss {loss_sum:.4f}  val {metrics['val_loss']:.4f}")
+        if args.sample_every and (step + 1) % args.sample_every == 0 and dist.is_main:
+            scores = evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens)
+            metrics.update({f"eval/{k}": round(v, 4) for k, v in scores.items()})
+        log.log(step + 1, **metrics)
+        bar.set_postfix(loss=f"{loss_sum:.3f}", refresh=False)
+        if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+
+    if dist.is_main and args.eval_problems > 0:
+        scores = evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens)
+        scores["val_loss"] = validation_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len, args.packing, device)
+        print0(f"held-out ({args.eval_problems} problems, greedy): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
+        write_eval(out_dir, scores)
+    cleanup_dist()

@@ -1,0 +1,160 @@
+"""SFT: the seed's worked loss, the mask against the tokens it covers, packing, and the global normalizer."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chat_sft import build_rows, render_examples, sft_example, sft_loss
+from common import IGNORE, collate, make_batch, pack_bfd
+from model import GPT, GPTConfig
+from tasks import sft_conversations
+
+torch.set_num_threads(1)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_seed_twelve_token_example():
+    # five graded answer tokens with the seed's probabilities, seven prompt tokens whose mean
+    # penalty is the seed's 0.7715
+    graded = torch.tensor([0.40, 0.85, 0.92, 0.78, 0.96])
+    per_token = torch.cat([torch.full((7,), 0.7715), -torch.log(graded)])
+    targets = torch.tensor([IGNORE] * 7 + [1] * 5)
+    assert abs(sft_loss(per_token, targets, 5).item() - 0.2903) < 5e-5
+    assert abs(-math.log(0.40 * 0.85 * 0.92 * 0.78 * 0.96) - 1.4515) < 5e-5
+    everything = torch.ones(12, dtype=torch.long)
+    assert abs(sft_loss(per_token, everything, 12).item() - 0.5710) < 5e-5
+
+
+def test_all_zero_mask_raises():
+    with pytest.raises(ValueError, match="all zero"):
+        sft_example([1, 2, 3], [0, 0, 0])
+
+
+def tiny_model(tok, seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                         intermediate_size=64, max_seq_len=1024))
+
+
+def test_labels_are_exactly_the_assistant_tokens(tok):
+    rows = sft_conversations("train", 40)
+    for r in rows:
+        ids, mask = tok.render_conversation(r["messages"], tools=r.get("tools"))
+        x, y = sft_example(ids, mask)
+        assert [t for t in y if t != IGNORE] == [ids[j] for j in range(1, len(ids)) if mask[j]]
+        # the end-of-turn token is a label, so the model learns to stop (trl#5988)
+        assert tok.eos_id in y
+
+
+def test_prompt_gets_exactly_zero_gradient(tok):
+    r = sft_conversations("train", 3)[2]
+    ids, mask = tok.render_conversation(r["messages"], tools=r.get("tools"))
+    x, y = sft_example(ids, mask)
+    m = tiny_model(tok)
+    logits = m(torch.tensor([x]))
+    logits.retain_grad()
+    per_tok = F.cross_entropy(logits[0], torch.tensor(y), ignore_index=IGNORE, reduction="none")
+    sft_loss(per_tok, torch.tensor(y), sum(t != IGNORE for t in y)).backward()
+    ignored = torch.tensor(y) == IGNORE
+    assert ignored.any() and (~ignored).any()
+    assert torch.all(logits.grad[0, ignored] == 0)
+    assert torch.all(logits.grad[0, ~ignored].abs().sum(-1) > 0)
+
+
+def test_pad_equal_to_eos_keeps_the_end_of_turn_label(tok):
+    # trl#1623: with pad == eos, a collator that masks "pad" tokens masks the real end of turn too
+    r = sft_conversations("train", 1)[0]
+    ex = [sft_example(*tok.render_conversation(r["messages"]))]
+    x, y, _ = collate(ex, [0], pad_id=tok.eos_id, length=len(ex[0][0]) + 5)
+    true_end = len(ex[0][1]) - 2  # the label of <|im_end|> (the last label is the "\n" after it)
+    assert y[true_end] == tok.eos_id
+    assert y[-5:] == [IGNORE] * 5 and x[-5:] == [tok.eos_id] * 5
+
+
+def test_packing_keeps_labels_positions_and_isolation(tok):
+    rows = sft_conversations("train", 30)
+    examples, counts = render_examples(tok, rows, seq_len=512, overlong="drop")
+    packed = build_rows(examples, 512, "bfd")
+    assert sorted(i for row in packed for i in row) == list(range(len(examples)))
+    assert len(packed) < len(examples) / 2  # it really packs
+    assert all(sum(len(examples[i][0]) for i in row) <= 512 for row in packed)
+    x, y, d = make_batch(examples, packed, tok.pad_id, 512, "bfd", "cpu")
+    # after packing, the labels are exactly the mask-1 labels of each conversation, in order (nanochat#570)
+    for r, row in enumerate(packed):
+        expect = [t for i in row for t in examples[i][1]]
+        assert y[r, :len(expect)].tolist() == expect and torch.all(y[r, len(expect):] == IGNORE)
+    # the packed loss equals the sum of per-conversation losses (verl#6475)
+    m = tiny_model(tok).eval()
+    with torch.no_grad():
+        packed_sum = m(x, y, doc_ids=d, reduction="sum")
+        alone = sum(m(torch.tensor([ex[0]]), torch.tensor([ex[1]]), reduction="sum") for ex in examples)
+    torch.testing.assert_close(packed_sum, alone, rtol=1e-4, atol=1e-3)
+
+
+def test_bfd_is_best_fit():
+    rows = pack_bfd([6, 5, 4, 3, 2], capacity=10)
+    # 6 -> row0 (4 left); 5 -> row1 (5 left); 4 -> row0 is the tightest fit (0 left); 3 -> row1; 2 -> row1
+    assert rows == [[0, 2], [1, 3, 4]]
+
+
+def test_overlong_is_dropped_or_cropped_and_counted(tok):
+    rows = sft_conversations("train", 20)
+    lens = [len(tok.render_conversation(r["messages"], tools=r.get("tools"))[0]) - 1 for r in rows]
+    cap = sorted(lens)[len(lens) // 2]
+    ex, counts = render_examples(tok, rows, cap, "drop")
+    assert counts["dropped"] == sum(n > cap for n in lens) > 0 and len(ex) == counts["kept"]
+    ex, counts = render_examples(tok, rows, cap, "crop")
+    assert counts["cropped"] + counts["dropped_empty_after_crop"] == sum(n > cap for n in lens)
+    assert all(len(x) <= cap for x, _ in ex)
+
+
+def test_padded_and_packed_batches_give_the_same_gradient(tok):
+    rows = sft_conversations("train", 12)
+    examples, _ = render_examples(tok, rows, 512, "drop")
+    grads = []
+    for packing in ("bfd", "none"):
+        m = tiny_model(tok)
+        batch_rows = build_rows(examples, 512, packing)
+        x, y, d = make_batch(examples, batch_rows, tok.pad_id, 512, packing, "cpu")
+        n = (y != IGNORE).sum()
+        sft_loss(m(x, y, doc_ids=d, reduction="none"), y, n).backward()
+        grads.append(m.model.layers[1].mlp.down_proj.weight.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Real runs of chat_sft.py: accumulation and 2 ranks equal one big batch; the empty batch is skipped
+
+@pytest.fixture(scope="module")
+def tiny_base(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("base")
+    tiny_model(tok).save_hf(str(path), tok)
+    return str(path)
+
+
+def sft_run(home, base, *extra, nproc=1):
+    args = [os.path.join(REPO, "chat_sft.py"), "--init", base, "--num-train", "64", "--num-val", "8",
+            "--eval-problems", "0", "--steps", "3", "--batch-size", "8", "--save-every", "1000", *extra]
+    cmd = [sys.executable, *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    with open(os.path.join(home, "sft", "default", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if '"loss"' in line]
+
+
+def test_accumulation_and_ddp_equal_one_big_batch(tmp_path, tiny_base):
+    one = sft_run(tmp_path / "one", tiny_base, "--device-batch-size", "8")
+    accum = sft_run(tmp_path / "accum", tiny_base, "--device-batch-size", "2")
+    ddp = sft_run(tmp_path / "ddp", tiny_base, "--device-batch-size", "2", nproc=2)
+    assert len(one) == 3
+    for other in (accum, ddp):
+        for a, b in zip(one, other):
+            assert a["trained_tokens"] == b["trained_tokens"]
+            assert abs(a["loss"] - b["loss"]) < 1e-4 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-3
