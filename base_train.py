@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, check_finite, cleanup_dist, init_dist, latest_checkpoint,
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist, init_dist, latest_checkpoint,
                     load_training_state, lr_at, make_batch, make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0,
                     print_config, progress, epoch_batch, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
 from model import GPT, GPTConfig
@@ -78,16 +78,21 @@ def build_tokenizer(args, dist):
     return Tokenizer.load(path)
 
 
-def documents(tok, split, num_docs, seed):
+def documents(tok, split, num_docs, seed, seq_len):
     """Each document is its own example, ending with <|endoftext|> so the base learns where a
     document stops. Inputs and targets are built per document, then packed best-fit into rows where
     attention and positions restart at every document: exactly how SFT conversations and inference
     prompts are seen (a prompt at position 0, with nothing before it)."""
     from tasks import pretrain_text
-    examples = []
+    examples, too_long = [], 0
     for doc in pretrain_text(split, num_docs, seed=seed):
         ids = tok.encode(doc) + [tok.endoftext_id]
+        if len(ids) - 1 > seq_len:
+            too_long += 1
+            continue
         examples.append((ids[:-1], ids[1:]))
+    if too_long:
+        print0(f"note: {too_long} of {num_docs} {split} documents are longer than --seq-len {seq_len} and were dropped")
     return examples
 
 
@@ -130,8 +135,8 @@ if __name__ == "__main__":
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
 
     tok = build_tokenizer(args, dist)
-    train_ex = documents(tok, "train", args.num_docs, args.seed)
-    val_ex = documents(tok, "val", 500, args.seed)
+    train_ex = documents(tok, "train", args.num_docs, args.seed, args.seq_len)
+    val_ex = documents(tok, "val", 500, args.seed, args.seq_len)
     train_rows = pack_bfd([len(x) for x, _ in train_ex], args.seq_len)
     val_rows = pack_bfd([len(x) for x, _ in val_ex], args.seq_len)
     n_tokens = sum(len(x) for x, _ in train_ex)
@@ -161,6 +166,7 @@ if __name__ == "__main__":
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)  # a fresh run starts a fresh log
     print0(f"model: {model.num_params():,} parameters, {config}")
+    broadcast_parameters(model)
     fwd = torch.compile(model) if args.compile else model
 
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="base")

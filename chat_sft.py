@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, check_finite, cleanup_dist, init_dist, latest_checkpoint,
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist, init_dist, latest_checkpoint,
                     load_training_state, lr_at, make_batch, make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config,
                     progress, epoch_batch, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
 
@@ -180,6 +180,7 @@ if __name__ == "__main__":
         os.remove(log.path)  # a fresh run starts a fresh log
     print0(f"model: {model.num_params():,} parameters from {init}; {total_steps} steps "
            f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
+    broadcast_parameters(model)
     fwd = torch.compile(model) if args.compile else model
 
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft")

@@ -85,6 +85,13 @@ def all_reduce_sum(x):
     return t.item()
 
 
+def broadcast_parameters(model):
+    """Every rank starts from rank 0's weights (per-rank seeds would otherwise initialize them apart)."""
+    if dist.is_initialized():
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+
+
 def sync_gradients(model):
     """All-reduce (SUM) every gradient in one flat buffer. Losses are already divided by the global
     normalizer, so the sum is the full-batch gradient."""

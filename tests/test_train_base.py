@@ -13,7 +13,7 @@ from common import latest_checkpoint, list_checkpoints, resolve_model_path, save
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "64",
+TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "128",
         "--num-docs", "400", "--vocab-size", "400", "--eval-problems", "0", "--eval-every", "1000",
         "--warmup-steps", "2"]
 
