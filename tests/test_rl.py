@@ -1,0 +1,306 @@
+"""chat_rl.py: the seeds' tables for advantages, clipping, GSPO, CISPO, KL, truncated IS and pass@k;
+the loss mask of a rollout; 2 gloo ranks with uneven lengths equal one rank; the real loop runs."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from chat_eval import pass_at_k
+from chat_rl import (group_advantages, kl_penalty, loss_normalizer, overlong_penalty, policy_loss, rollout_tensors,
+                     tis_weights)
+from engine import Completion
+from model import GPT, GPTConfig
+
+torch.set_num_threads(1)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def close(a, b, tol=5e-5):
+    return abs(float(a) - float(b)) < tol
+
+
+# ------------------------------------------------------------------------------------------------
+# Advantages
+
+def test_grpo_and_dr_grpo_advantages_seed_table():
+    r = torch.tensor([1., 0, 0, 1, 0, 1, 0, 0])
+    a = group_advantages(r, 8)
+    assert close(a[0], 1.2910) and close(a[1], -0.7746)
+    d = group_advantages(r, 8, scale="none")
+    assert close(d[0], 0.6250) and close(d[1], -0.3750)
+    loo = group_advantages(r, 8, scale="none", estimator="rloo")
+    assert close(loo[0], 1 - 2 / 7) and close(loo[1], -3 / 7)
+
+
+def test_near_uniform_group_is_sane_and_uniform_group_is_exactly_zero():
+    a = group_advantages(torch.tensor([0.35] * 7 + [0.95]), 8)
+    assert torch.isfinite(a).all() and a.abs().max() < 3  # 2.6458 and -0.3780, not 4000x (NeMo-RL#4161)
+    assert close(a[-1], 0.6 * 7 / 8 / math.sqrt(0.039375), 1e-3)
+    for v in (0.35, 0.1, 1.0, 0.0):
+        z = group_advantages(torch.tensor([v] * 8 + [0.0, 1.0] * 4), 8)
+        assert torch.all(z[:8] == 0.0) and torch.all(z[8:] != 0)
+    b = group_advantages(torch.tensor([0.35] * 8), 8, scale="batch")
+    assert torch.all(b == 0.0)
+
+
+def test_equal_rewards_give_exactly_zero_gradient():
+    logp = torch.randn(8, 5, requires_grad=True)
+    adv = group_advantages(torch.ones(8), 8)
+    loss, _ = policy_loss(logp, logp.detach() + 0.1, adv, torch.ones(8, 5))
+    loss.backward()
+    assert torch.all(logp.grad == 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Clipping: the seed's clip-higher table (A = +1)
+
+OLD = torch.tensor([[-0.2, -0.5, -2.3, -0.05, -3.0]])      # p_old 0.8187, 0.6065, 0.1003, 0.9512, 0.0498
+DELTA = torch.tensor([[0.1, -0.3, 0.4, 0.03, -0.5]])       # ratios 1.1052, 0.7408, 1.4918, 1.0305, 0.6065
+
+
+def per_token_objectives(eps_high):
+    objs = []
+    for t in range(5):
+        m = torch.zeros(1, 5)
+        m[0, t] = 1
+        loss, _ = policy_loss(OLD + DELTA, OLD, torch.tensor([1.0]), m, 0.2, eps_high)
+        objs.append(-loss.item())
+    return objs
+
+
+def test_clip_higher_table():
+    at_02 = per_token_objectives(0.2)
+    for got, want in zip(at_02, [1.1052, 0.7408, 1.2000, 1.0305, 0.6065]):
+        assert close(got, want, 1e-4)
+    at_028 = per_token_objectives(0.28)
+    changed = [t for t in range(5) if not close(at_02[t], at_028[t], 1e-9)]
+    assert changed == [2] and close(at_028[2], 1.28)       # exactly one token moves: the rare t3
+    assert close(0.1003 * 1.2, 0.1203, 1e-4) and close(0.1003 * 1.28, 0.1283, 1e-4)
+
+
+def test_clipped_token_has_no_gradient_in_ppo_but_keeps_it_in_cispo():
+    grads = {}
+    for kind in ("ppo", "cispo"):
+        logp = (OLD + DELTA).clone().requires_grad_(True)
+        loss, _ = policy_loss(logp, OLD, torch.tensor([1.0]), torch.ones(1, 5), kind=kind)
+        loss.backward()
+        grads[kind] = logp.grad[0]
+    assert grads["ppo"][2] == 0                                 # t3 is above 1.2: PPO drops it
+    assert close(grads["cispo"][2], -1.2 / 5)                   # CISPO: clipped weight 1.2, gradient kept
+
+
+def test_dual_clip_bounds_negative_advantages():
+    logp, old = torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1)
+    plain, _ = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1))
+    dual, _ = policy_loss(logp, old, torch.tensor([-1.0]), torch.ones(1, 1), dual_clip=3.0)
+    assert close(plain, 5.0) and close(dual, 3.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# GSPO: the seed's sequence ratio, and two sequences of different lengths (trl#3823)
+
+def test_gspo_sequence_ratio_seed_table():
+    old = torch.tensor([[-0.10, -0.20, -0.05, -2.50, -0.15]])
+    new = torch.tensor([[-0.12, -0.18, -0.07, -1.60, -0.16]])
+    assert close((new - old).sum(), 0.87)
+    _, st = policy_loss(new, old, torch.tensor([1.0]), torch.ones(1, 5), level="sequence")
+    assert close(st["ratio_mean"], 1.1901, 1e-4)
+    assert close(math.exp(0.87), 2.3869, 1e-4)
+
+
+def test_gspo_two_sequences_of_different_lengths():
+    old = torch.tensor([[-0.10, -0.20, -0.05, -2.50, -0.15], [-1.0, -1.0, 0, 0, 0]])
+    new = torch.tensor([[-0.12, -0.18, -0.07, -1.60, -0.16], [-0.9, -1.3, 0, 0, 0]])
+    mask = torch.tensor([[1., 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    adv = torch.tensor([1.0, -1.0])
+    r_a, r_b = math.exp(0.87 / 5), math.exp(-0.2 / 2)       # 1.1901 and 0.9048, both inside the clip range
+    seq_mean, _ = policy_loss(new, old, adv, mask, level="sequence", agg="seq-mean-token-mean")
+    assert close(seq_mean, (-r_a + r_b) / 2)                  # -0.1427, not scaled by the lengths
+    tok_mean, _ = policy_loss(new, old, adv, mask, level="sequence", agg="token-mean")
+    assert close(tok_mean, (-5 * r_a + 2 * r_b) / 7)
+    # and the gradient reaches every token of an answer with the same per-token weight
+    logp = new.clone().requires_grad_(True)
+    policy_loss(logp, old, adv, mask, level="sequence", agg="seq-mean-token-mean")[0].backward()
+    assert torch.allclose(logp.grad[0], torch.full((5,), -r_a / 5 / 2), atol=1e-6)
+    assert torch.all(logp.grad[1, 2:] == 0)
+
+
+def test_aggregations_normalize_as_documented():
+    logp = torch.zeros(2, 4)
+    mask = torch.tensor([[1., 1, 1, 1], [1, 0, 0, 0]])
+    adv = torch.tensor([1.0, 1.0])
+    tm, _ = policy_loss(logp, logp, adv, mask, agg="token-mean")
+    sm, _ = policy_loss(logp, logp, adv, mask, agg="seq-mean-token-mean")
+    dr, _ = policy_loss(logp, logp, adv, mask, agg="seq-mean-token-sum-norm", max_len=10)
+    assert close(tm, -1.0) and close(sm, -1.0) and close(dr, -5 / 20)
+    with pytest.raises(ValueError, match="max_len"):
+        policy_loss(logp, logp, adv, mask, agg="seq-mean-token-sum-norm")
+
+
+# ------------------------------------------------------------------------------------------------
+# KL, truncated importance sampling, overlong shaping, pass@k
+
+def test_kl_seed_table():
+    now, start = torch.tensor([-0.10, -0.50, -1.20]), torch.tensor([-0.30, -0.60, -2.00])
+    assert close(kl_penalty(now, start, "k1").mean(), 0.3667)
+
+
+def test_kl_estimator_gradients_against_the_analytic_kl():
+    """On a categorical policy, the expected gradient of each estimator used as a loss on samples
+    from the policy: k2's is the KL(pi || ref) gradient, k1's is zero, k3's is the reverse KL's."""
+    torch.manual_seed(0)
+    theta = torch.randn(6, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(6), 0)
+    logp = torch.log_softmax(theta, 0)
+    p = logp.exp()
+    forward_kl = torch.autograd.grad((p * (logp - ref)).sum(), theta, retain_graph=True)[0]
+    reverse_kl = torch.autograd.grad((ref.exp() * (ref - logp)).sum(), theta, retain_graph=True)[0]
+
+    def expected_grad(kind):  # E_{x ~ pi}[grad k(x)], samples held fixed (no score-function term)
+        return torch.autograd.grad((p.detach() * kl_penalty(logp, ref, kind)).sum(), theta, retain_graph=True)[0]
+
+    assert torch.allclose(expected_grad("k2"), forward_kl, atol=1e-6)
+    assert torch.allclose(expected_grad("k1"), torch.zeros(6), atol=1e-6)
+    assert torch.allclose(expected_grad("k3"), reverse_kl, atol=1e-6)
+    assert not torch.allclose(forward_kl, reverse_kl, atol=1e-3)
+
+
+def test_truncated_importance_sampling_seed_table():
+    rollout = torch.tensor([-0.500, -1.200, -0.050, -3.500, -0.900])
+    trainer = torch.tensor([-0.520, -1.150, -0.080, -2.600, -1.100])
+    assert close(torch.exp(trainer - rollout).prod(), 2.0138, 1e-4)
+    assert close(tis_weights(trainer, rollout, 2.0).prod(), 1.6375, 1e-4)
+
+
+def test_overlong_penalty():
+    assert overlong_penalty(90, 128, 32) == 0.0
+    assert close(overlong_penalty(112, 128, 32), -0.5) and overlong_penalty(128, 128, 32) == -1.0
+    assert overlong_penalty(128, 128, 0) == 0.0
+
+
+def test_pass_at_k_seed_table():
+    for k, want in ((1, 0.3000), (4, 0.7599), (8, 0.9424), (16, 0.9967)):
+        assert close(1 - (1 - 0.3) ** k, want, 1e-4)
+        assert close(pass_at_k(10000, 3000, k), want, 2e-3)  # the unbiased estimator agrees for large n
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 4) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout tensors: the loss mask covers exactly the sampled answer tokens
+
+def test_rollout_mask_covers_exactly_the_sampled_tokens():
+    prompts = [[5, 6, 7], [8, 9]]
+    c0 = Completion(0, tokens=[10, 11, 12, 13], logprobs=[-.1, 0.0, 0.0, -.4], mask=[1, 0, 0, 1], finish_reason="stop")
+    c1 = Completion(1, tokens=[20, 21], logprobs=[-.2, -.3], mask=[1, 1], finish_reason="length")
+    x, y, m, eng, _ = rollout_tensors(prompts, [c0, c1], torch.zeros(2), pad_id=0, device="cpu")
+    assert x[0].tolist() == [5, 6, 7, 10, 11, 12] and y[0].tolist() == [6, 7, 10, 11, 12, 13]
+    assert m[0].tolist() == [0, 0, 1, 0, 0, 1]            # forced tool tokens (11, 12) are not trained
+    assert y[1].tolist() == [9, 20, 21, -100, -100, -100] and m[1].tolist() == [0, 1, 1, 0, 0, 0]
+    assert eng[0].tolist() == pytest.approx([0, 0, -.1, 0, 0, -.4])
+    _, _, m2, _, _ = rollout_tensors(prompts, [c0, c1], torch.zeros(2), 0, "cpu", mask_truncated=True)
+    assert m2[1].sum() == 0 and m2[0].sum() == 2          # a truncated answer gives no gradient
+
+
+# ------------------------------------------------------------------------------------------------
+# DDP: 2 gloo ranks with uneven lengths and an uneven split give one rank's gradient, and finish
+
+def tiny_policy():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, head_dim=8,
+                         intermediate_size=32, max_seq_len=64))
+
+
+def synthetic_batch():
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 50, (int(n),), generator=g).tolist() for n in (3, 7, 4)]
+    comps = []
+    for i, n in enumerate((5, 2, 9, 1, 6, 3)):
+        toks = torch.randint(1, 50, (n,), generator=g).tolist()
+        comps.append(Completion(i // 2, tokens=toks, logprobs=[-1.0] * n, mask=[1] * n, finish_reason="stop"))
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0]), 2)
+    return prompts, comps, adv
+
+
+def grad_of(model, prompts, comps, adv, agg):
+    x, y, m, eng, a = rollout_tensors(prompts, comps, adv, 0, "cpu")
+    from common import all_reduce_sum
+    norm = all_reduce_sum(loss_normalizer(m, agg))
+    old = model.token_logprobs(x, y).detach() - 0.05
+    loss, _ = policy_loss(model.token_logprobs(x, y), old, a, m, agg=agg, normalizer=norm, max_len=16)
+    loss.backward()
+    from common import sync_gradients
+    sync_gradients(model)
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _rank(rank, world, init_file, out_dir, agg):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    prompts, comps, adv = synthetic_batch()
+    mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4
+    g = grad_of(tiny_policy(), prompts, [comps[i] for i in mine], adv[mine], agg)
+    torch.save(g, os.path.join(out_dir, f"grad{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_two_ranks_with_uneven_lengths_equal_one_rank(tmp_path, agg):
+    prompts, comps, adv = synthetic_batch()
+    single = grad_of(tiny_policy(), prompts, comps, adv, agg)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, 2, str(tmp_path / "init"), str(tmp_path), agg)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)  # uneven lengths must not hang a collective (trl#3933)
+        assert p.exitcode == 0
+    for r in range(2):
+        torch.testing.assert_close(torch.load(tmp_path / f"grad{r}.pt"), single, atol=1e-6, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# The real loop, tiny: one process with 2 PPO epochs and tools, and 2 ranks
+
+@pytest.fixture(scope="module")
+def tiny_chat(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft")
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)).save_hf(str(path), tok)
+    return str(path)
+
+
+def rl_run(home, init, *extra, nproc=1):
+    args = [os.path.join(REPO, "chat_rl.py"), "--init", init, "--num-prompts", "32", "--steps", "2",
+            "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--eval-problems", "4",
+            "--pass-k", "2", "--eval-every", "100", "--save-every", "100", "--max-resample", "1", *extra]
+    cmd = [sys.executable, *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(home, "rl", "default", "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_loop_runs_with_ppo_epochs_and_tools(tmp_path, tiny_chat):
+    # an untrained model never answers right: the soft overlong penalty gives its answers distinct rewards
+    rows = rl_run(tmp_path, tiny_chat, "--ppo-epochs", "2", "--minibatches", "1", "--tools", "--eps-high", "0.2",
+                  "--overlong-buffer", "24")
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # the second pass over a batch sees the snapshot ratio exp(new - old), not a constant 1 (trl#2769)
+    assert all(r["ratio_mean"] != 1.0 for r in steps)
+    assert all(r["logprob_mismatch"] < 1e-4 for r in steps)  # engine and trainer agree
+    assert os.path.isfile(tmp_path / "rl" / "default" / "eval.json")
+
+
+def test_loop_runs_on_two_ranks(tmp_path, tiny_chat):
+    rows = rl_run(tmp_path, tiny_chat, nproc=2)
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2]
