@@ -24,5 +24,7 @@ stage() {  # stage NAME command...: run one stage, timed
 t_all=$SECONDS
 stage "tokenizer + base model" $PY base_train.py
 stage "SFT" $PY chat_sft.py
+stage "reward model" $PY chat_rm.py
+stage "DPO" $PY chat_dpo.py
 echo; echo "pipeline done in $((SECONDS - t_all)) s"
 $PY chat_eval.py --report

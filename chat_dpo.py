@@ -1,0 +1,481 @@
+"""
+Direct preference optimization (DPO): learn from (prompt, chosen, rejected) pairs without a reward model.
+
+DPO (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290) shows that the KL-regularized RLHF objective
+has a closed-form optimum, so the policy can be trained on preference pairs directly: raise the log-prob
+of the chosen answer relative to a frozen reference copy of the starting model, and lower the rejected
+one's, through -log sigmoid(beta * margin). The reference stops the model from winning by collapsing
+onto short, safe text: every gain is measured from where it started. Variants (--loss), each a few
+lines of dpo_loss: ipo (Azar et al. 2023), hinge (SLiC), sigmoid_norm (length-normalized, SimPO's
+idea), robust (Chowdhury et al. 2024); and, with their own data handling, orpo (Hong et al. 2024: no
+reference, an odds-ratio term added to the SFT loss) and kto (Ethayarajh et al. 2024: single answers
+labeled good or bad). --rpo-alpha adds the NLL of the chosen answer (Iterative RPO, Pang et al. 2024).
+
+    python chat_dpo.py                                             # 1 CPU, the embedded world's pairs
+    python chat_dpo.py --pairs on-policy                           # pairs sampled from the policy itself
+    python chat_dpo.py --data prefs.jsonl --init /models/my-sft --device cuda     # 1 GPU
+    torchrun --standalone --nproc_per_node=8 chat_dpo.py --data prefs.jsonl --init ...   # N GPUs
+
+The log-prob of a completion is the sum of its tokens' log-probs: prompt + completion rendered by
+tokenizer.render_conversation, graded where the mask is 1 after the prompt (the assistant's tokens and
+its <|im_end|>). Reference log-probs are computed once before training (--ref precompute; the
+policy is the reference at step 0, so no second model is ever loaded) or by a frozen copy kept in
+memory (--ref live). Writes $NANOPOST_HOME/dpo/<run>/ (checkpoints/, metrics.jsonl, eval.json with
+the held-out implicit-reward accuracy and pass@1 of the start and the end).
+"""
+import argparse
+import math
+import os
+import resource
+
+import torch
+import torch.nn.functional as F
+
+from chat_sft import sft_example
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist,
+                    dist_info, epoch_batch, init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer,
+                    nanopost_home, optimizer_step, pack_bfd, print0, print_config, progress, resolve_model_path, run_dir,
+                    save_checkpoint, seed_everything, set_lr, write_eval)
+
+LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
+
+parser = argparse.ArgumentParser(description="direct preference optimization and its variants")
+parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
+parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/dpo/<run>")
+parser.add_argument("--device", default="auto")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
+parser.add_argument("--pairs", choices=["embedded", "on-policy"], default="embedded",
+                    help="without --data: the world's pairs, or pairs sampled from the policy (a verified-correct vs an incorrect answer)")
+parser.add_argument("--num-train", type=int, default=600, help="embedded pairs, or prompts to sample for --pairs on-policy")
+parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's last 2%%)")
+parser.add_argument("--samples", type=int, default=4, help="--pairs on-policy: answers sampled per prompt")
+parser.add_argument("--temperature", type=float, default=1.0, help="--pairs on-policy: sampling temperature")
+parser.add_argument("--max-len", type=int, default=512, help="prompt + completion tokens; completions are cropped to fit")
+parser.add_argument("--loss", choices=LOSSES, default="sigmoid")
+parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta; ORPO's lambda (weight of the odds-ratio term)")
+parser.add_argument("--label-smoothing", type=float, default=0.0, help="sigmoid (cDPO) and robust: the assumed label-flip rate")
+parser.add_argument("--rpo-alpha", type=float, default=0.0, help="weight of the NLL of the chosen answer (Iterative RPO); 0: off")
+parser.add_argument("--desirable-weight", type=float, default=1.0, help="kto: weight of the good answers' loss")
+parser.add_argument("--undesirable-weight", type=float, default=1.0, help="kto: weight of the bad answers' loss")
+parser.add_argument("--ref", choices=["precompute", "live"], default="precompute",
+                    help="reference log-probs computed once before training, or by a frozen copy of the model")
+parser.add_argument("--batch-size", type=int, default=32, help="pairs (kto: answers) per optimizer step, all ranks together")
+parser.add_argument("--device-batch-size", type=int, default=16, help="pairs per forward pass")
+parser.add_argument("--epochs", type=float, default=1.0)
+parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
+parser.add_argument("--lr", type=float, default=2e-5, help="higher lowers pass@1 here: 2e-4 took it from 0.60 to 0.33")
+parser.add_argument("--warmup-steps", type=int, default=3)
+parser.add_argument("--final-lr-ratio", type=float, default=0.1)
+parser.add_argument("--weight-decay", type=float, default=0.0)
+parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out pair evaluations")
+parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems sampled greedily at the start and the end")
+parser.add_argument("--max-new-tokens", type=int, default=192)
+parser.add_argument("--save-every", type=int, default=200)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--compile", action="store_true")
+
+
+# ------------------------------------------------------------------------------------------------
+# The losses: per pair (or per answer for KTO), on log-probs summed over each completion's tokens
+
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
+             loss_type="sigmoid", label_smoothing=0.0, chosen_lengths=None, rejected_lengths=None):
+    """-> (losses, chosen_rewards, rejected_rewards), each (B,). The rewards are DPO's implicit rewards
+    beta * (log pi - log pi_ref) of each completion, detached, for logging.
+
+    Worked numbers (seed), sigmoid: margins +1.40 / -0.20 / -2.60 (already right / near tie / backwards)
+    lose 0.6256 / 0.7032 / 0.8316 at beta 0.1, with |d loss / d margin| = beta * sigmoid(-beta * margin)
+    = 0.0465 / 0.0505 / 0.0565: all near log 2, the backwards pair barely pushed harder. At beta 0.5:
+    0.4032 / 0.7444 / 1.5410 and 0.1659 / 0.2625 / 0.3929 (8.4x between backwards and right)."""
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    margin = chosen_logratios - rejected_logratios
+    eps = label_smoothing
+    if loss_type == "sigmoid":  # DPO; label_smoothing > 0 is conservative DPO (cDPO): eps of the labels flipped
+        losses = -(1 - eps) * F.logsigmoid(beta * margin) - eps * F.logsigmoid(-beta * margin)
+    elif loss_type == "robust":  # an unbiased estimate of the clean loss under flip rate eps
+        if not 0 <= eps < 0.5:
+            raise ValueError(f"robust needs 0 <= label_smoothing < 0.5, got {eps}")
+        losses = (-(1 - eps) * F.logsigmoid(beta * margin) + eps * F.logsigmoid(-beta * margin)) / (1 - 2 * eps)
+    elif loss_type == "hinge":  # SLiC: no loss once beta * margin passes 1
+        losses = F.relu(1 - beta * margin)
+    elif loss_type in ("ipo", "sigmoid_norm"):  # on length-averaged log-probs, so long answers don't dominate
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"{loss_type} needs chosen_lengths and rejected_lengths")
+        norm_margin = chosen_logratios / chosen_lengths - rejected_logratios / rejected_lengths
+        if loss_type == "ipo":  # a squared error to a target margin 1/(2 beta): never pushes past it
+            losses = (norm_margin - 1 / (2 * beta)) ** 2
+        else:  # beta acts on a per-token margin here: Tulu 3 used beta = 5
+            losses = -F.logsigmoid(beta * norm_margin)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; one of {LOSSES[:5]}")
+    return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def orpo_loss(policy_chosen_logps, policy_rejected_logps, chosen_lengths, rejected_lengths, beta=0.1):
+    """ORPO's odds-ratio term (added to the chosen answer's NLL by the training loop; no reference).
+    odds(y) = p / (1 - p) with p the length-averaged probability exp(mean token log-prob);
+    loss = -beta * log sigmoid(log odds(chosen) - log odds(rejected)).
+    Worked point: mean log-probs -0.5 and -1.0 give log odds 0.43275 and -0.54132, loss 0.1 * 0.32031."""
+    avg_c = (policy_chosen_logps / chosen_lengths).clamp(max=-1e-6)  # p < 1, so log(1 - p) is finite
+    avg_r = (policy_rejected_logps / rejected_lengths).clamp(max=-1e-6)
+    log_odds = (avg_c - torch.log(-torch.expm1(avg_c))) - (avg_r - torch.log(-torch.expm1(avg_r)))
+    return -beta * F.logsigmoid(log_odds), beta * avg_c.detach(), beta * avg_r.detach()
+
+
+def kto_loss(policy_logps, ref_logps, desirable, kl, beta=0.1, desirable_weight=1.0, undesirable_weight=1.0):
+    """KTO on single answers labeled good (desirable) or bad: a good answer's reward
+    beta * (log-ratio) should rise above the reference point beta * kl, a bad one's fall below it.
+    kl: the batch's KL estimate (mean log-ratio of mismatched prompt/answer pairs, clamped at 0, detached).
+    -> (losses, rewards). Worked point: log-ratio +0.5, kl 0.1, beta 0.1: good 1 - sigmoid(0.04) = 0.49000."""
+    logratios = policy_logps - ref_logps
+    good = desirable_weight * (1 - torch.sigmoid(beta * (logratios - kl)))
+    bad = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratios)))
+    return torch.where(desirable, good, bad), beta * logratios.detach()
+
+
+# ------------------------------------------------------------------------------------------------
+# Sequence log-probs
+
+def completion_logps(model, examples, pad_id, layout="packed", capacity=None):
+    """Sum of log-probs over each example's graded targets, and their count: ((N,), (N,)) float32.
+    examples are (inputs, targets) with IGNORE on the prompt. Layouts, all giving the same sums:
+    right/left (one example per row, the padding after it / before it in a document of its own) and
+    packed (best-fit into rows of `capacity` tokens, each example its own document: no padding compute)."""
+    if layout == "packed":
+        rows = pack_bfd([len(x) for x, _ in examples], capacity or max(len(x) for x, _ in examples))
+    elif layout in ("right", "left"):
+        rows = [[i] for i in range(len(examples))]
+    else:
+        raise ValueError(f"layout must be 'right', 'left' or 'packed', got {layout!r}")
+    T = max(sum(len(examples[i][0]) for i in row) for row in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    docs = torch.full((len(rows), T), -1, dtype=torch.long)  # left padding: a document before the first
+    span = [None] * len(examples)
+    for r, row in enumerate(rows):
+        col = T - len(examples[row[0]][0]) if layout == "left" else 0
+        for d, i in enumerate(row):
+            x, y = examples[i]
+            ids[r, col:col + len(x)], tgt[r, col:col + len(x)] = torch.tensor(x), torch.tensor(y)
+            docs[r, col:col + len(x)] = d
+            span[i] = (r, col, col + len(x))
+            col += len(x)
+        docs[r, col:] = len(row)  # right padding: a document after them
+    dev = model.device
+    tgt = tgt.to(dev)
+    with autocast(dev):
+        lp = model.token_logprobs(ids.to(dev), tgt, doc_ids=None if layout == "right" else docs.to(dev))
+    sums = torch.stack([lp[r, a:b].sum() for r, a, b in span])
+    counts = torch.tensor([sum(t != IGNORE for t in y) for _, y in examples], dtype=torch.float32, device=dev)
+    return sums, counts
+
+
+@torch.no_grad()
+def reference_logps(model, examples, pad_id, capacity, batch_size=64):
+    """Log-probs of every example under the reference, computed once before training, in the data's
+    order: in eval mode, with no gradient, and without touching the global RNG (trl#5542, #7084), so
+    they are the same on every call and however the data is later shuffled. Under DDP each rank
+    computes every world-th chunk and a sum all-reduce hands every rank all of them."""
+    info = dist_info()
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(len(examples), device=model.device)
+    with torch.random.fork_rng(devices=[]):
+        for c, s in enumerate(range(0, len(examples), batch_size)):
+            if c % info.world_size == info.rank:
+                out[s:s + batch_size] = completion_logps(model, examples[s:s + batch_size], pad_id, "packed", capacity)[0]
+    model.train(was_training)
+    return all_reduce_sum(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: prompt + completion, the prompt identical on both sides, completions cropped but never empty
+
+def completion_example(tok, prompt, completion, tools, max_len):
+    """(inputs, targets) of prompt + completion with targets only on the completion's mask-1 tokens,
+    the completion cropped so that inputs fit in max_len; None when nothing of it fits. The prompt is
+    exactly render_for_completion(prompt), the ids the engine samples from."""
+    p = tok.render_for_completion(prompt, tools=tools)
+    ids, mask = tok.render_conversation(prompt + completion, tools=tools)
+    if ids[:len(p)] != p:
+        raise ValueError("the prompt does not render as a prefix of prompt + completion")
+    mask = [0] * len(p) + mask[len(p):]  # an assistant turn inside the prompt is context, not graded
+    ids, mask = ids[:max_len + 1], mask[:max_len + 1]  # inputs are ids[:-1]
+    if not any(mask[1:]):
+        return None  # the prompt leaves no room: an empty completion would be NaN or 0 (trl#6548)
+    return sft_example(ids, mask)
+
+
+def pair_items(tok, rows, max_len):
+    """Rows -> (chosen example, rejected example, kind); both cropped to the same cap. Returns the items
+    and the counts of dropped pairs (prompt too long; identical once cropped)."""
+    items, counts = [], {"dropped_prompt_too_long": 0, "dropped_identical_after_crop": 0}
+    for r in rows:
+        c = completion_example(tok, r["prompt"], r["chosen"], r.get("tools"), max_len)
+        j = completion_example(tok, r["prompt"], r["rejected"], r.get("tools"), max_len)
+        if c is None or j is None:
+            counts["dropped_prompt_too_long"] += 1
+        elif c == j:
+            counts["dropped_identical_after_crop"] += 1
+        else:
+            items.append((c, j, r.get("kind", "all")))
+    return items, counts
+
+
+def kto_items(tok, rows, max_len):
+    """KTO's data from pairs: every chosen answer is one good example, every rejected one a bad one, each
+    with a mismatched partner (its prompt, the next example's answer) whose log-ratio estimates the KL
+    reference point. -> (answer example, partner example, desirable)."""
+    singles = [(r["prompt"], ans, r.get("tools"), good) for r in rows for ans, good in
+               ((r["chosen"], True), (r["rejected"], False))]
+    items, counts = [], {"dropped_prompt_too_long": 0}
+    for i, (prompt, answer, tools, good) in enumerate(singles):
+        a = completion_example(tok, prompt, answer, tools, max_len)
+        b = completion_example(tok, prompt, singles[(i + 1) % len(singles)][1], tools, max_len)
+        if a is None or b is None:
+            counts["dropped_prompt_too_long"] += 1
+        else:
+            items.append((a, b, good))
+    return items, counts
+
+
+def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens, seed, batch_size=32):
+    """Preference pairs from the policy itself: sample `samples` answers per prompt, grade each with the
+    row's verifier, pair the first correct one with the first incorrect one. Prompts where all answers
+    agree teach nothing and are skipped; answers cut at the length limit are not used. Each rank samples
+    its share of the prompts, and every rank gets all the pairs."""
+    import torch.distributed as tdist
+
+    from chat_eval import answer_text
+    from engine import Engine
+    from tasks import verify
+    from tokenizer import completion_message
+    info = dist_info()
+    engine = Engine(model, tok)
+    rows = []
+    for b, s in enumerate(range(0, len(prompt_rows), batch_size)):
+        if b % info.world_size != info.rank:
+            continue
+        chunk = prompt_rows[s:s + batch_size]
+        outs = engine.generate([tok.render_for_completion(r["prompt"]) for r in chunk], num_samples=samples,
+                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + s)
+        for i, r in enumerate(chunk):
+            good, bad = [], []
+            for o in outs[i * samples:(i + 1) * samples]:
+                if o.finish_reason != "stop":
+                    continue
+                text = tok.decode(o.tokens[:-1])  # without the final <|im_end|>
+                (good if verify(r["verifier"], answer_text(text), r["ground_truth"]) == 1.0 else bad).append(text)
+            if good and bad:
+                rows.append({"prompt": r["prompt"], "chosen": [completion_message(good[0])],
+                             "rejected": [completion_message(bad[0])], "kind": "on-policy"})
+    if tdist.is_initialized():
+        parts = [None] * info.world_size
+        tdist.all_gather_object(parts, rows)
+        rows = [row for part in parts for row in part]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Held-out evaluation
+
+@torch.no_grad()
+def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
+    """Implicit-reward metrics on held-out pairs under TRL's names (accuracy: chosen reward strictly
+    above rejected, so 0 at step 0 where every margin is 0)."""
+    was_training = model.training
+    model.eval()
+    pc, pr = [], []
+    for s in range(0, len(items), batch_size):
+        chunk = items[s:s + batch_size]
+        lp, _ = completion_logps(model, [c for c, _, _ in chunk] + [j for _, j, _ in chunk], pad_id, "packed", capacity)
+        pc.append(lp[:len(chunk)])
+        pr.append(lp[len(chunk):])
+    model.train(was_training)
+    pc, pr = torch.cat(pc).cpu(), torch.cat(pr).cpu()
+    rc, rr = beta * (pc - ref[:, 0].cpu()), beta * (pr - ref[:, 1].cpu())
+    right = (rc > rr).float()
+    m = {"pair_accuracy": right.mean().item(), "rewards/chosen": rc.mean().item(), "rewards/rejected": rr.mean().item(),
+         "rewards/margins": (rc - rr).mean().item(), "logps/chosen": pc.mean().item(), "logps/rejected": pr.mean().item()}
+    for kind in sorted({k for _, _, k in items}):
+        sel = torch.tensor([k == kind for _, _, k in items])
+        m[f"accuracy/{kind}"] = right[sel].mean().item()
+    return m
+
+
+def peak_memory_mb(device):
+    """Peak resident memory of this process (CPU), or peak allocated GPU memory, in MiB."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+if __name__ == "__main__":
+    from chat_eval import evaluate_chat
+    from model import GPT
+    from tasks import load_preferences, preference_pairs, rl_prompts
+    from tokenizer import Tokenizer
+
+    args = parser.parse_args()
+    dist = init_dist(args.device)
+    device = dist.device
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "chat_dpo")
+    out_dir = run_dir("dpo", args.run_name)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    kto, orpo = args.loss == "kto", args.loss == "orpo"
+    nll_coef = 1.0 if orpo else args.rpo_alpha  # ORPO is SFT + the odds-ratio term; RPO adds the NLL to DPO
+
+    # data first: a malformed file fails before any model is loaded
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
+    tok = Tokenizer.load(init)
+    val_rows = None
+    if args.data:
+        rows = load_preferences(args.data)
+        n_val = max(1, len(rows) // 50)  # a user file: hold out its last 2%
+        train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+    else:
+        train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
+        val_rows = preference_pairs("test", args.num_val, seed=args.seed)
+
+    ckpt = latest_checkpoint(out_dir) if args.resume else None
+    model = GPT.from_hf(init, device=device)
+    if args.pairs == "on-policy" and not args.data:  # sampled from the starting policy, before any update
+        prompts = rl_prompts("train", args.num_train, seed=args.seed)
+        train_rows = on_policy_rows(model, tok, prompts, args.samples, args.temperature, args.max_new_tokens, args.seed)
+        print0(f"on-policy: {len(train_rows)} pairs from {len(prompts)} prompts x {args.samples} samples")
+        if not train_rows:
+            raise SystemExit("no prompt had both a correct and an incorrect answer: nothing to pair")
+    make = kto_items if kto else pair_items
+    items, counts = make(tok, train_rows, args.max_len)
+    val_items, _ = pair_items(tok, val_rows, args.max_len)
+    if not items:
+        raise SystemExit(f"no training example fits in --max-len {args.max_len}: {counts}")
+    print0(f"data: {len(items)} training {'answers' if kto else 'pairs'}, {len(val_items)} held-out pairs; {counts}")
+
+    # the reference: the starting model's log-probs of both completions of every item, computed now
+    # (the policy IS the reference at step 0), or a frozen copy kept for live forwards
+    pad, cap = tok.pad_id, args.max_len
+    flat = lambda its: [e for it in its for e in it[:2]]  # noqa: E731  [a0, b0, a1, b1, ...]
+    val_ref = reference_logps(model, flat(val_items), pad, cap).view(-1, 2)
+    ref_model, ref = None, None
+    if orpo:
+        pass  # ORPO has no reference in its loss (val_ref serves only the held-out implicit reward)
+    elif args.ref == "precompute":
+        ref = reference_logps(model, flat(items), pad, cap).view(-1, 2)
+    else:
+        ref_model = GPT.from_hf(init, device=device).eval().requires_grad_(False)
+    start_scores = {}
+    if dist.is_main and args.eval_problems > 0 and not ckpt:  # the SFT start, measured the same way as the end
+        start_scores = evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens)
+        print0("start, held-out greedy: " + "  ".join(f"{k} {v:.3f}" for k, v in start_scores.items()))
+    if ckpt:
+        model = GPT.from_hf(ckpt, device=device)
+
+    per_step = args.batch_size
+    if per_step % (args.device_batch_size * dist.world_size):
+        parser.error(f"--batch-size must be a multiple of --device-batch-size x ranks "
+                     f"({args.device_batch_size} x {dist.world_size})")
+    accum = per_step // (args.device_batch_size * dist.world_size)
+    steps_per_epoch = math.ceil(len(items) / per_step)
+    total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
+    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    start_step = 0
+    if ckpt:
+        start_step = load_training_state(ckpt, optimizer)["step"]
+        print0(f"resumed from {ckpt} at step {start_step}")
+    elif dist.is_main and os.path.exists(log.path):
+        os.remove(log.path)
+    print0(f"model: {model.num_params():,} parameters from {init}; loss {args.loss}, beta {args.beta}, ref "
+           f"{'none' if orpo else args.ref}; {total_steps} steps ({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
+    broadcast_parameters(model)
+    fwd = torch.compile(model) if args.compile else model
+    model.train()
+
+    def ref_of(idx, micro):  # (n, 2) reference log-probs of these items
+        if ref is not None:
+            return ref[idx]
+        with torch.no_grad():
+            return completion_logps(ref_model, flat(micro), pad, "packed", cap)[0].view(-1, 2)
+
+    bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc=args.loss)
+    for step in bar:
+        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
+        set_lr(optimizer, lr)
+        mine = epoch_batch(len(items), step, per_step, args.seed)[dist.rank::dist.world_size]
+        micros = [mine[a * args.device_batch_size:(a + 1) * args.device_batch_size] for a in range(accum)]
+        # global normalizers: pairs (or answers) of the whole batch, and its chosen tokens for the NLL term
+        n_chosen_tokens = all_reduce_sum(float(sum(sum(t != IGNORE for t in items[i][0][1]) for i in mine)))
+        kl = 0.0
+        if kto:  # the reference point: mean log-ratio of the mismatched partners over the global batch
+            with torch.no_grad():
+                kl_sum = sum((completion_logps(fwd, [items[i][1] for i in m], pad, "packed", cap)[0]
+                              - ref_of(m, [items[i] for i in m])[:, 1]).sum().item() for m in micros)
+            kl = max(0.0, all_reduce_sum(kl_sum) / per_step)
+        stats = torch.zeros(8, dtype=torch.float64)
+        for m in micros:
+            micro = [items[i] for i in m]
+            n = len(micro)
+            if kto:
+                pa, la = completion_logps(fwd, [a for a, _, _ in micro], pad, "packed", cap)
+                good = torch.tensor([g for _, _, g in micro], device=device)
+                losses, rewards = kto_loss(pa, ref_of(m, micro)[:, 0], good, kl, args.beta,
+                                           args.desirable_weight, args.undesirable_weight)
+                g = good.double().cpu()
+                r, lp = rewards.double().cpu(), pa.detach().double().cpu()
+                batch_stats = [(r * g).sum(), (r * (1 - g)).sum(), 0.0, 0.0, (lp * g).sum(), (lp * (1 - g)).sum(), g.sum()]
+                pc = pa[good]  # no NLL term for KTO: nll_coef only applies to pairs
+            else:
+                lp, lengths = completion_logps(fwd, flat(micro), pad, "packed", cap)
+                pc, pr, lc, lr_ = lp[0::2], lp[1::2], lengths[0::2], lengths[1::2]
+                if orpo:
+                    losses, rc, rr = orpo_loss(pc, pr, lc, lr_, args.beta)
+                else:
+                    rf = ref_of(m, micro)
+                    losses, rc, rr = dpo_loss(pc, pr, rf[:, 0], rf[:, 1], args.beta, args.loss, args.label_smoothing, lc, lr_)
+                rc, rr = rc.double().cpu(), rr.double().cpu()
+                batch_stats = [rc.sum(), rr.sum(), (rc - rr).sum(), (rc > rr).sum(), pc.detach().sum().cpu(),
+                               pr.detach().sum().cpu(), n]
+            # each pair's loss over the pairs of the global batch, the NLL over its chosen tokens (common.py)
+            loss = losses.sum() / per_step
+            if nll_coef and not kto:
+                loss = loss - nll_coef * pc.sum() / n_chosen_tokens
+            check_finite(loss, step)
+            loss.backward()
+            stats += torch.tensor([float(s) for s in batch_stats] + [loss.item()], dtype=torch.float64)
+        grad_norm = optimizer_step(model, optimizer, args.grad_clip)
+        s = all_reduce_sum(stats.to(device)).cpu().tolist()
+        if kto:  # s[6] = good answers in the batch
+            n_good, n_bad = max(s[6], 1), max(per_step - s[6], 1)
+            metrics = {"rewards/chosen": s[0] / n_good, "rewards/rejected": s[1] / n_bad, "kl": kl,
+                       "logps/chosen": s[4] / n_good, "logps/rejected": s[5] / n_bad}
+        else:
+            metrics = {"rewards/chosen": s[0] / per_step, "rewards/rejected": s[1] / per_step,
+                       "rewards/margins": s[2] / per_step, "rewards/accuracies": s[3] / per_step,
+                       "logps/chosen": s[4] / per_step, "logps/rejected": s[5] / per_step}
+        metrics = {"loss": round(s[7], 6), **{k: round(v, 5) for k, v in metrics.items()}, "lr": lr,
+                   "grad_norm": round(grad_norm, 4)}
+        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main:
+            ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
+            metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
+            bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
+                      f"margin {ev['rewards/margins']:.3f}  logps/chosen {ev['logps/chosen']:.2f}")
+        log.log(step + 1, **metrics)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+        if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+
+    if dist.is_main:
+        ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
+        if args.eval_problems > 0:
+            ev.update(evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens))
+        ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
+        ev["peak_memory_mb"] = peak_memory_mb(device)
+        ev["ref"] = "none" if orpo else args.ref
+        print0(f"held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
+        log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
+        write_eval(out_dir, ev)
+    cleanup_dist()

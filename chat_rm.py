@@ -1,0 +1,280 @@
+"""
+Reward model (RM): learn to score the better of two answers higher, from (prompt, chosen, rejected) pairs.
+
+The RLHF reward model of InstructGPT (Ouyang et al. 2022, https://arxiv.org/abs/2203.02155): the chat
+model's trunk with its vocabulary head swapped for a one-number head (`score`), read at the last token of
+the assistant's answer, its <|im_end|>: the one position that has seen the whole prompt and answer.
+Trained with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), which constrains only the gap
+between two scores (see reward_loss). chat_rl.py and chat_ppo.py use the result as their reward
+(`--reward rm:PATH`) through load_reward_model and score below.
+
+    python chat_rm.py                                               # 1 CPU, the embedded world's pairs
+    python chat_rm.py --data prefs.jsonl --init /models/my-sft --device cuda     # 1 GPU
+    torchrun --standalone --nproc_per_node=8 chat_rm.py --data prefs.jsonl --init ...   # N GPUs
+
+Data: --data FILE.jsonl with rows {"prompt", "chosen", "rejected"} (strings or message lists), or by
+default the embedded world's pairs: a wrong arithmetic step, a missing "#### N" line, or a right but
+rambling answer, each against the clean solution. Writes $NANOPOST_HOME/rm/<run>/ (checkpoints/, a
+Hugging Face *ForSequenceClassification folder; metrics.jsonl; eval.json with the held-out pair accuracy).
+"""
+import argparse
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from common import (MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist, epoch_batch,
+                    init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer, nanopost_home, optimizer_step, pack_bfd,
+                    print0, print_config, progress, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr,
+                    write_eval)
+
+parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
+parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
+parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/rm/<run>")
+parser.add_argument("--device", default="auto")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
+parser.add_argument("--num-train", type=int, default=1500, help="embedded-world training pairs")
+parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's last 2%%)")
+parser.add_argument("--max-len", type=int, default=512, help="a pair whose prompt + answer exceeds this is dropped (counted)")
+parser.add_argument("--batch-size", type=int, default=32, help="pairs per optimizer step, all ranks together")
+parser.add_argument("--device-batch-size", type=int, default=16, help="pairs per forward pass")
+parser.add_argument("--epochs", type=float, default=1.0)
+parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
+parser.add_argument("--lr", type=float, default=2e-3)
+parser.add_argument("--warmup-steps", type=int, default=5)
+parser.add_argument("--final-lr-ratio", type=float, default=0.1)
+parser.add_argument("--weight-decay", type=float, default=0.0)
+parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--center-coef", type=float, default=0.01, help="weight of mean((r_c + r_r)^2); 0 turns it off")
+parser.add_argument("--eval-every", type=int, default=20, help="steps between held-out evaluations")
+parser.add_argument("--save-every", type=int, default=200)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--compile", action="store_true")
+
+
+# ------------------------------------------------------------------------------------------------
+# The loss
+
+def reward_loss(rewards_chosen, rewards_rejected, margin=None, center_coef=None):
+    """Bradley-Terry: -log sigmoid(r_c - r_r - margin), mean over pairs.
+
+    Only the gap r_c - r_r enters, so adding a constant to every score changes nothing and the scale
+    drifts freely: a score from one batch cannot be compared with one from another, and an RL reward
+    wanders. center_coef * mean((r_c + r_r)^2) (0.01 recommended, TRL's center_rewards_coefficient)
+    pins the mean score near 0 without touching the ranking. `margin` (Llama 2) asks for a bigger gap
+    on pairs the labelers were surer about.
+
+    Worked numbers (seed): pairs A..D with margins +1.70, +0.35, +1.40, +0.85 lose 0.1678, 0.5334,
+    0.2204, 0.3559: total 1.2775. Score D backwards (-0.85) and it loses 1.2059: total 2.1275, an
+    increase of exactly 0.85 (log sigmoid(x) - log sigmoid(-x) = x)."""
+    diff = rewards_chosen - rewards_rejected
+    if margin is not None:
+        diff = diff - margin
+    loss = -F.logsigmoid(diff).mean()
+    if center_coef:
+        loss = loss + center_coef * ((rewards_chosen + rewards_rejected) ** 2).mean()
+    return loss
+
+
+# ------------------------------------------------------------------------------------------------
+# Scoring: the value of the scalar head at each sequence's last token
+
+def rm_sequence(tok, prompt, answer, tools=None):
+    """Token ids of prompt + answer ending at the answer's last <|im_end|>, the token the reward is read
+    at. The same ids as render_for_completion(prompt) + the engine's completion tokens, so what the RM
+    trains on is exactly what chat_rl.py hands it."""
+    ids, mask = tok.render_conversation(prompt + answer, tools=tools)
+    end = max(i for i, (t, m) in enumerate(zip(ids, mask)) if m and t == tok.eos_id)
+    return ids[:end + 1]
+
+
+def last_token_values(model, seqs, pad_id, layout="right", capacity=None):
+    """Scalar-head value at the last token of each sequence, (N,) float32, in one batch.
+    The position read is where each sequence ends by its own length, never a search for the first pad
+    or eos (pad may equal eos: trl#2778). Layouts, all giving the same values:
+      right   one sequence per row, padded after it: no mask needed (causal attention never looks right)
+      left    one per row, padded before it: the padding is a document of its own, so nothing attends to it
+      packed  best-fit packed into rows of `capacity` tokens, each sequence its own document (positions
+              restart, attention never crosses): no padding compute, the training default."""
+    if layout == "packed":
+        rows = pack_bfd([len(s) for s in seqs], capacity or max(len(s) for s in seqs))
+    elif layout in ("right", "left"):
+        rows = [[i] for i in range(len(seqs))]
+    else:
+        raise ValueError(f"layout must be 'right', 'left' or 'packed', got {layout!r}")
+    T = max(sum(len(seqs[i]) for i in row) for row in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    docs = torch.zeros((len(rows), T), dtype=torch.long)
+    where = [None] * len(seqs)  # (row, column) of each sequence's last token
+    for r, row in enumerate(rows):
+        col = T - len(seqs[row[0]]) if layout == "left" else 0
+        docs[r, :col] = -1  # left padding: a document before the sequence
+        for d, i in enumerate(row):
+            n = len(seqs[i])
+            ids[r, col:col + n] = torch.tensor(seqs[i])
+            docs[r, col:col + n] = d
+            col += n
+            where[i] = (r, col - 1)
+        docs[r, col:] = len(row)  # right padding: a document after them
+    dev = model.device
+    with autocast(dev):
+        values = model(ids.to(dev), doc_ids=None if layout == "right" else docs.to(dev))
+    r, c = torch.tensor(where, device=dev).T
+    return values[r, c]
+
+
+def load_reward_model(path, device="cpu"):
+    """The reward model (in eval mode) of a model folder or an rm run directory (its latest checkpoint)."""
+    from model import GPT
+    path = resolve_model_path(path)
+    model = GPT.from_hf(path, device=device)
+    if model.config.head != "scalar":
+        raise ValueError(f"{path} is a language model, not a reward model (config.json is not *ForSequenceClassification); "
+                         f"train one with chat_rm.py")
+    return model.eval()
+
+
+@torch.no_grad()
+def score(model, sequences, batch_size=32, layout="right"):
+    """Rewards of token sequences (prompt + completion, each ending at the completion's <|im_end|>), as
+    floats. A completion cut at the length limit has no <|im_end|> and is read at its last token anyway:
+    penalize those separately. A score does not depend on batch size, padding side or batch mates."""
+    was_training = model.training
+    model.eval()
+    out = []
+    for i in range(0, len(sequences), batch_size):
+        out += last_token_values(model, sequences[i:i + batch_size], 0, layout).tolist()  # pad id 0: never read
+    model.train(was_training)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+
+def render_pairs(tok, rows, max_len):
+    """Each row -> (chosen ids, rejected ids, kind). A pair with a side longer than max_len is dropped
+    and counted: cropping it would cut off the <|im_end|> the reward is read at."""
+    pairs, dropped = [], 0
+    for r in rows:
+        c = rm_sequence(tok, r["prompt"], r["chosen"], r.get("tools"))
+        j = rm_sequence(tok, r["prompt"], r["rejected"], r.get("tools"))
+        if max(len(c), len(j)) > max_len:
+            dropped += 1
+            continue
+        pairs.append((c, j, r.get("kind", "all")))
+    return pairs, dropped
+
+
+@torch.no_grad()
+def evaluate_pairs(model, pairs, batch_size=32):
+    """Held-out pair accuracy (r_c > r_r; a tie counts as wrong), mean margin, reward statistics and
+    accuracy per kind of pair."""
+    rc = torch.tensor(score(model, [c for c, _, _ in pairs], batch_size))
+    rr = torch.tensor(score(model, [j for _, j, _ in pairs], batch_size))
+    both = torch.cat([rc, rr])
+    right = (rc > rr).float()
+    m = {"pair_accuracy": right.mean().item(), "margin": (rc - rr).mean().item(), "reward_mean": both.mean().item(),
+         "reward_min": both.min().item(), "reward_max": both.max().item()}
+    for kind in sorted({k for _, _, k in pairs}):
+        sel = torch.tensor([k == kind for _, _, k in pairs])
+        m[f"accuracy/{kind}"] = right[sel].mean().item()
+    return m
+
+
+if __name__ == "__main__":
+    from model import GPT
+    from tasks import load_preferences, preference_pairs
+    from tokenizer import Tokenizer
+
+    args = parser.parse_args()
+    dist = init_dist(args.device)
+    device = dist.device
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "chat_rm")
+    out_dir = run_dir("rm", args.run_name)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+
+    # data first: a malformed file fails before any model is loaded
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
+    tok = Tokenizer.load(init)
+    if args.data:
+        rows = load_preferences(args.data)
+        n_val = max(1, len(rows) // 50)  # a user file: hold out its last 2%
+        train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+    else:
+        train_rows = preference_pairs("train", args.num_train, seed=args.seed)
+        val_rows = preference_pairs("test", args.num_val, seed=args.seed)
+    train_pairs, dropped = render_pairs(tok, train_rows, args.max_len)
+    val_pairs, _ = render_pairs(tok, val_rows, args.max_len)
+    if not train_pairs:
+        raise SystemExit(f"no training pair fits in --max-len {args.max_len}")
+    n_tokens = sum(len(c) + len(j) for c, j, _ in train_pairs)
+    print0(f"data: {len(train_pairs)} training pairs ({n_tokens:,} tokens), {len(val_pairs)} held-out"
+           + (f"; {dropped} dropped for exceeding --max-len {args.max_len}" if dropped else ""))
+
+    per_step = args.batch_size
+    if per_step % (args.device_batch_size * dist.world_size):
+        parser.error(f"--batch-size must be a multiple of --device-batch-size x ranks "
+                     f"({args.device_batch_size} x {dist.world_size})")
+    accum = per_step // (args.device_batch_size * dist.world_size)
+    steps_per_epoch = math.ceil(len(train_pairs) / per_step)
+    total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
+
+    ckpt = latest_checkpoint(out_dir) if args.resume else None
+    model = GPT.from_hf(ckpt or init, device=device, head="scalar")  # a fresh score head starts at 0: every reward 0
+    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    start_step = 0
+    if ckpt:
+        start_step = load_training_state(ckpt, optimizer)["step"]
+        print0(f"resumed from {ckpt} at step {start_step}")
+    elif dist.is_main and os.path.exists(log.path):
+        os.remove(log.path)
+    print0(f"model: {model.num_params():,} parameters from {init}; {total_steps} steps "
+           f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
+    broadcast_parameters(model)
+    fwd = torch.compile(model) if args.compile else model
+    model.train()
+
+    bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="rm")
+    for step in bar:
+        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
+        set_lr(optimizer, lr)
+        step_pairs = [train_pairs[i] for i in epoch_batch(len(train_pairs), step, per_step, args.seed)]
+        mine = step_pairs[dist.rank::dist.world_size]
+        stats = torch.zeros(4, dtype=torch.float64)  # loss, correct, margin, reward sum over the global batch
+        for a in range(accum):
+            micro = mine[a * args.device_batch_size:(a + 1) * args.device_batch_size]
+            n = len(micro)
+            values = last_token_values(fwd, [c for c, _, _ in micro] + [j for _, j, _ in micro], tok.pad_id,
+                                       "packed", args.max_len)
+            rc, rr = values[:n], values[n:]
+            # reward_loss is a mean over this micro-batch's pairs; weighting it by n / per_step makes the
+            # sum over micro-batches and ranks the mean over the global batch (see common.py)
+            loss = reward_loss(rc, rr, center_coef=args.center_coef) * (n / per_step)
+            check_finite(loss, step)
+            loss.backward()
+            stats += torch.tensor([loss.item(), (rc > rr).sum().item(), (rc - rr).sum().item(), values.sum().item()],
+                                  dtype=torch.float64)
+        grad_norm = optimizer_step(model, optimizer, args.grad_clip)
+        stats = all_reduce_sum(stats.to(device)).cpu()
+        metrics = {"loss": round(stats[0].item(), 6), "accuracy": stats[1].item() / per_step,
+                   "margin": stats[2].item() / per_step, "reward_mean": stats[3].item() / (2 * per_step),
+                   "lr": lr, "grad_norm": round(grad_norm, 4)}
+        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main:
+            ev = evaluate_pairs(model, val_pairs)
+            metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
+            bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
+                      f"margin {ev['margin']:.3f}")
+        log.log(step + 1, **metrics)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
+        if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+
+    if dist.is_main:
+        ev = evaluate_pairs(model, val_pairs)
+        print0(f"held-out ({len(val_pairs)} pairs): " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+        log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
+        write_eval(out_dir, ev)
+    cleanup_dist()

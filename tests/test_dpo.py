@@ -1,0 +1,236 @@
+"""DPO and its variants: the seed's beta table, each loss at a hand-computed point, the reference, truncation,
+log-prob sums under padding and packing, and real runs (2 ranks = 1 rank, live = precomputed reference)."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import chat_dpo
+from chat_dpo import (completion_example, completion_logps, dpo_loss, kto_items, kto_loss, on_policy_rows, orpo_loss,
+                      pair_items, reference_logps)
+from common import IGNORE
+from model import GPT, GPTConfig
+from tasks import preference_pairs, rl_prompts
+
+torch.set_num_threads(1)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T = torch.tensor
+
+
+def test_seed_beta_table():
+    # (chosen log-ratio, rejected log-ratio) -> margin +1.40, -0.20, -2.60
+    examples = [(0.80, -0.60), (-0.10, 0.10), (-1.20, 1.40)]
+    table = {0.1: ([0.6256, 0.7032, 0.8316], [0.0465, 0.0505, 0.0565]),
+             0.5: ([0.4032, 0.7444, 1.5410], [0.1659, 0.2625, 0.3929])}
+    for beta, (losses, grads) in table.items():
+        pc = T([c for c, _ in examples], requires_grad=True)
+        out, rc, rr = dpo_loss(pc, T([r for _, r in examples]), torch.zeros(3), torch.zeros(3), beta=beta)
+        torch.testing.assert_close(out, T(losses), atol=5e-5, rtol=0)
+        out.sum().backward()  # d loss / d log pi(chosen) = d loss / d margin: the seed's |gradient|
+        torch.testing.assert_close(pc.grad.abs(), T(grads), atol=5e-5, rtol=0)
+        torch.testing.assert_close(rc - rr, beta * T([1.4, -0.2, -2.6]))
+    assert abs(0.3929 / 0.0465 - 8.45) < 0.01 and abs(0.3929 / 0.1659 - 2.37) < 0.01
+
+
+# one pair: policy log-probs -5 / -9, reference -6 / -7 -> log-ratios +1 / -2, margin 3; lengths 10 / 20
+POINT = dict(policy_chosen_logps=T([-5.0]), policy_rejected_logps=T([-9.0]), ref_chosen_logps=T([-6.0]),
+             ref_rejected_logps=T([-7.0]), chosen_lengths=T([10.0]), rejected_lengths=T([20.0]))
+
+
+@pytest.mark.parametrize("loss_type, kwargs, expect", [
+    ("sigmoid", {}, 0.554355),                         # -log sigmoid(0.3)
+    ("sigmoid", {"label_smoothing": 0.1}, 0.584355),   # -0.9 log sigmoid(0.3) - 0.1 log sigmoid(-0.3)
+    ("robust", {"label_smoothing": 0.1}, 0.516855),    # (-0.9 log sigmoid(0.3) + 0.1 log sigmoid(-0.3)) / 0.8
+    ("hinge", {}, 0.7),                                # relu(1 - 0.3)
+    ("hinge", {"beta": 0.5}, 0.0),                     # relu(1 - 1.5): past the margin, no push
+    ("ipo", {}, 23.04),                                # (1/10 + 2/20 - 1/(2*0.1))^2 = (0.2 - 5)^2
+    ("sigmoid_norm", {}, 0.683197),                    # -log sigmoid(0.1 * 0.2)
+])
+def test_each_loss_type_at_a_hand_computed_point(loss_type, kwargs, expect):
+    losses, rc, rr = dpo_loss(**POINT, loss_type=loss_type, **{"beta": 0.1, **kwargs})
+    assert abs(losses.item() - expect) < 1e-5
+    assert abs(rc.item() - kwargs.get("beta", 0.1) * 1.0) < 1e-6 and abs(rr.item() + kwargs.get("beta", 0.1) * 2.0) < 1e-6
+
+
+def test_orpo_and_kto_at_hand_computed_points():
+    # mean token log-probs -0.5 and -1.0: log odds 0.43275 - (-0.54132) = 0.97408
+    losses, _, _ = orpo_loss(T([-5.0]), T([-20.0]), T([10.0]), T([20.0]), beta=0.1)
+    assert abs(losses.item() - 0.1 * math.log1p(math.exp(-0.974077))) < 1e-6 and abs(losses.item() - 0.032030) < 1e-5
+    losses, rewards = kto_loss(T([-4.5, -4.5]), T([-5.0, -5.0]), T([True, False]), kl=0.1, beta=0.1)
+    torch.testing.assert_close(losses, T([0.490001, 0.509999]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(rewards, T([0.05, 0.05]))
+    losses, _ = kto_loss(T([-4.5]), T([-5.0]), T([False]), kl=0.1, undesirable_weight=2.0)
+    assert abs(losses.item() - 2 * 0.509999) < 1e-5
+    with pytest.raises(ValueError, match="lengths"):
+        dpo_loss(T([-1.0]), T([-2.0]), T([-1.0]), T([-2.0]), loss_type="ipo")
+
+
+def test_label_smoothing_zero_is_dpo_and_half_gives_zero_gradient():
+    pc, pr = torch.randn(8, requires_grad=True), torch.randn(8)
+    rc, rr = torch.randn(8), torch.randn(8)
+    plain = dpo_loss(pc, pr, rc, rr)[0]
+    for lt in ("sigmoid", "robust"):
+        torch.testing.assert_close(dpo_loss(pc, pr, rc, rr, loss_type=lt, label_smoothing=0.0)[0], plain)
+    # trl#1655: at 0.5 the labels carry no information; from the start (policy = reference) nothing moves
+    start = pc.detach().clone().requires_grad_(True)
+    losses = dpo_loss(start, pr, start.detach(), pr, label_smoothing=0.5)[0]
+    losses.sum().backward()
+    assert torch.all(start.grad == 0)
+    torch.testing.assert_close(losses, torch.full((8,), math.log(2)))
+    with pytest.raises(ValueError):
+        dpo_loss(pc, pr, rc, rr, loss_type="robust", label_smoothing=0.5)
+
+
+def test_changing_the_reference_changes_the_loss():
+    # trl#1962: precomputed reference values silently ignored left the loss at log 2
+    pc, pr = T([-5.0, -7.0]), T([-9.0, -6.0])
+    a = dpo_loss(pc, pr, T([-6.0, -7.0]), T([-7.0, -7.0]))[0]
+    b = dpo_loss(pc, pr, T([-4.0, -8.0]), T([-9.0, -5.0]))[0]
+    assert (a - b).abs().min() > 0.05
+
+
+# ------------------------------------------------------------------------------------------------
+# Data and log-probs on a tiny model
+
+def tiny_model(tok, seed=0, max_seq_len=1024):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                         intermediate_size=64, max_seq_len=max_seq_len))
+
+
+def test_completion_targets_are_exactly_the_answer_tokens(tok):
+    r = preference_pairs("train", 1)[0]
+    x, y = completion_example(tok, r["prompt"], r["chosen"], None, 1024)
+    prompt = tok.render_for_completion(r["prompt"])
+    answer = tok.encode(r["chosen"][0]["content"]) + [tok.eos_id] + tok.encode("\n")
+    assert x[:len(prompt)] == prompt
+    # the first graded target is the answer's first token (OpenRLHF#973: an off-by-one drops it)
+    assert [t for t in y if t != IGNORE] == answer and y[len(prompt) - 2] == IGNORE and y[len(prompt) - 1] == answer[0]
+
+
+def test_truncation_leaves_both_answers_non_empty_and_the_prompts_identical(tok):
+    rows = preference_pairs("train", 6)
+    prompt_lens = [len(tok.render_for_completion(r["prompt"])) for r in rows]
+    cap = max(prompt_lens) + 3  # room for only a few answer tokens
+    items, counts = pair_items(tok, rows, cap)
+    assert items and len(items) + sum(counts.values()) == 6
+    for (cx, cy), (jx, jy), _ in items:
+        assert len(cx) <= cap and len(jx) <= cap  # the rejected answer does not escape the cap (LlamaFactory#4402)
+        assert any(t != IGNORE for t in cy) and any(t != IGNORE for t in jy)  # never empty (trl#6548)
+        p = cy.index(next(t for t in cy if t != IGNORE))
+        assert cx[:p + 1] == jx[:p + 1] and all(t == IGNORE for t in jy[:p])
+    # a prompt that leaves no room drops the pair, counted
+    items, counts = pair_items(tok, rows, min(prompt_lens) - 5)
+    assert not items and counts["dropped_prompt_too_long"] == 6
+
+
+def test_padded_and_packed_logp_sums_equal_unpadded_sums(tok):
+    items, _ = pair_items(tok, preference_pairs("train", 6), 1024)
+    examples = [e for c, j, _ in items for e in (c, j)]
+    m = tiny_model(tok).eval()
+    with torch.no_grad():
+        alone = torch.stack([m.token_logprobs(T([x]), T([y]))[0].sum() for x, y in examples])
+        for layout in ("right", "left", "packed"):
+            sums, counts = completion_logps(m, examples, tok.pad_id, layout, capacity=1024)
+            torch.testing.assert_close(sums, alone, rtol=1e-4, atol=1e-3)
+            assert counts.tolist() == [sum(t != IGNORE for t in y) for _, y in examples]
+    # gradients too: what the trainer uses
+    grads = []
+    for layout in ("right", "packed"):
+        m.zero_grad()
+        completion_logps(m, examples, tok.pad_id, layout, capacity=1024)[0].sum().backward()
+        grads.append(m.model.layers[0].mlp.up_proj.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-5)
+
+
+def test_reference_logps_deterministic_shuffle_independent_and_rng_free(tok):
+    items, _ = pair_items(tok, preference_pairs("train", 10), 1024)
+    examples = [e for c, j, _ in items for e in (c, j)]
+    m = tiny_model(tok).train()
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    a = reference_logps(m, examples, tok.pad_id, 1024, batch_size=4)
+    b = reference_logps(m, examples, tok.pad_id, 1024, batch_size=4)
+    assert torch.equal(torch.get_rng_state(), rng) and m.training  # RNG untouched, mode restored
+    assert torch.equal(a, b)
+    perm = list(range(len(examples)))
+    random.Random(0).shuffle(perm)
+    shuffled = reference_logps(m, [examples[i] for i in perm], tok.pad_id, 1024, batch_size=4)
+    torch.testing.assert_close(shuffled, a[perm], rtol=1e-4, atol=1e-3)
+
+
+def test_kto_items_split_pairs_with_mismatched_partners(tok):
+    rows = preference_pairs("train", 3)
+    items, _ = kto_items(tok, rows, 1024)
+    assert [g for _, _, g in items] == [True, False] * 3
+    # the partner of answer i is its own prompt with answer i + 1
+    x0, _ = items[0][1]
+    expect, _ = completion_example(tok, rows[0]["prompt"], rows[0]["rejected"], None, 1024)
+    assert x0 == expect
+
+
+def test_on_policy_pairs_a_correct_with_an_incorrect_answer(tok, monkeypatch):
+    prompts = rl_prompts("train", 3)
+    answers = {0: [f"#### {int(prompts[0]['ground_truth']) + 1}", f"#### {prompts[0]['ground_truth']}"],  # wrong, right
+               1: [f"#### {prompts[1]['ground_truth']}"] * 2,                                         # all right: skipped
+               2: ["#### 0", f"#### {prompts[2]['ground_truth']}"]}
+    from engine import Completion
+
+    def fake_generate(self, prompt_ids, num_samples, **kw):
+        return [Completion(i, tokens=tok.encode(answers[i][j]) + [tok.eos_id], finish_reason="stop")
+                for i in range(len(prompt_ids)) for j in range(num_samples)]
+    monkeypatch.setattr("engine.Engine.generate", fake_generate)
+    rows = on_policy_rows(None, tok, prompts, samples=2, temperature=1.0, max_new_tokens=8, seed=0)
+    assert len(rows) == 2
+    assert rows[0]["chosen"][0]["content"] == answers[0][1] and rows[0]["rejected"][0]["content"] == answers[0][0]
+    assert rows[1]["prompt"] == prompts[2]["prompt"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Real runs of chat_dpo.py
+
+@pytest.fixture(scope="module")
+def tiny_chat(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat")
+    tiny_model(tok, max_seq_len=512).save_hf(str(path), tok)
+    return str(path)
+
+
+def dpo_run(home, init, *extra, nproc=1):
+    args = [os.path.join(REPO, "chat_dpo.py"), "--init", init, "--num-train", "32", "--num-val", "6",
+            "--eval-problems", "0", "--steps", "2", "--batch-size", "8", "--lr", "1e-2", *extra]
+    cmd = [sys.executable, *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(home, "dpo", "default", "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    with open(os.path.join(home, "dpo", "default", "eval.json")) as f:
+        return [row for row in rows if "loss" in row], json.load(f)
+
+
+def test_ddp_accumulation_and_live_reference_equal_one_big_batch(tmp_path, tiny_chat):
+    one, ev = dpo_run(tmp_path / "one", tiny_chat, "--device-batch-size", "8", "--rpo-alpha", "0.5")
+    ddp, _ = dpo_run(tmp_path / "ddp", tiny_chat, "--device-batch-size", "2", "--rpo-alpha", "0.5", nproc=2)
+    live, ev_live = dpo_run(tmp_path / "live", tiny_chat, "--device-batch-size", "8", "--rpo-alpha", "0.5", "--ref", "live")
+    assert len(one) == 2 and one[0]["rewards/margins"] == 0  # step 0: the policy is the reference
+    for other in (ddp, live):
+        for a, b in zip(one, other):
+            for k in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+                assert abs(a[k] - b[k]) < 1e-4, (k, a[k], b[k])
+    assert {"pair_accuracy", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+            "logps/rejected", "peak_memory_mb"} <= set(ev)
+    assert ev["ref"] == "precompute" and ev_live["ref"] == "live"
+
+
+@pytest.mark.parametrize("loss", ["orpo", "kto"])
+def test_orpo_and_kto_train(tmp_path, tiny_chat, loss):
+    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", loss, "--device-batch-size", "8")
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert 0 <= ev["pair_accuracy"] <= 1
