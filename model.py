@@ -64,10 +64,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalize in float32 (as transformers does), then cast back before the gain
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # normalize in float32 (as transformers does), then cast back before the gain; F.rms_norm is the
+        # same arithmetic as one fused op (a decode step runs 4 norms per layer, so op count matters)
+        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
@@ -107,6 +106,7 @@ class KVCache:
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
         self.max_len = max_len
+        self.isolated = True  # whether a decode step must mask other documents (set at prefill)
 
     def update(self, layer: int, k, v):
         t0, t1 = self.length, self.length + k.size(2)
@@ -151,7 +151,12 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
-        if mask is None:  # plain causal self-attention: the fast path
+        if T == 1 and kv_cache is not None:
+            # one decode step: fold each kv head's group of query heads into the query-length axis, so
+            # attention is one plain (no GQA broadcast) call; the mask (B, 1, 1, S) or None covers the group
+            qg = q.reshape(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)
+            y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
+        elif mask is None:  # plain causal self-attention: the fast path
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
@@ -285,15 +290,22 @@ class GPT(nn.Module):
             if t0 == 0:  # prefill: the prompt's own documents (left padding is a document of its own)
                 doc_ids = doc_ids if doc_ids is not None else torch.zeros(B, T, dtype=torch.long, device=dev)
                 pos = positions_from_doc_ids(doc_ids)
+                # left padding or packed prompts: decoding must keep masking the other documents (one sync)
+                kv_cache.isolated = bool((doc_ids != doc_ids[:, -1:]).any())
             else:        # decode: every new token continues its row's last document
                 doc_ids = kv_cache.doc[:, t0 - 1:t0].expand(B, T)
                 pos = kv_cache.next_pos[:, None] + torch.arange(T, device=dev)
             kv_cache.doc[:, t0:t0 + T] = doc_ids
             kv_cache.next_pos = pos[:, -1] + 1
             k_doc = kv_cache.doc[:, :t0 + T]
-            causal = torch.arange(t0 + T, device=dev)[None, :] <= torch.arange(t0, t0 + T, device=dev)[:, None]
-            mask = ((doc_ids[:, :, None] == k_doc[:, None, :]) & causal)[:, None]
-        if int(pos.max()) >= self.config.max_seq_len:
+            if T == 1:  # one decode step sees every cached position of its own document, nothing else
+                mask = (k_doc == doc_ids)[:, None, None] if kv_cache.isolated else None
+            else:
+                causal = torch.arange(t0 + T, device=dev)[None, :] <= torch.arange(t0, t0 + T, device=dev)[:, None]
+                mask = ((doc_ids[:, :, None] == k_doc[:, None, :]) & causal)[:, None]
+        # a position never exceeds its index in the cache: when the index fits, skip the device sync
+        fits = kv_cache is not None and kv_cache.length + T <= self.config.max_seq_len
+        if not fits and int(pos.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(pos.max())} exceeds max_seq_len={self.config.max_seq_len}; "
                              f"crop the sequence or raise max_seq_len")
         dtype = self.model.embed_tokens.weight.dtype
@@ -357,7 +369,9 @@ class GPT(nn.Module):
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
         if self.config.head == "lm":
-            gen = {"eos_token_id": hf["eos_token_id"], "pad_token_id": hf.get("pad_token_id")}
+            # generate() stops where our engine stops: <|im_end|> first (the end of turn), then <|endoftext|>
+            eos = [tokenizer.eos_id] + sorted(tokenizer.stop_ids - {tokenizer.eos_id}) if tokenizer else None
+            gen = {"eos_token_id": eos, "pad_token_id": hf.get("pad_token_id"), "bos_token_id": None}
             with open(os.path.join(path, "generation_config.json"), "w") as f:
                 json.dump(gen, f, indent=2)
         if tokenizer is not None:
@@ -427,10 +441,15 @@ def _safetensors_files(path):
     if os.path.isfile(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are not in the folder: {missing}")
         return [os.path.join(path, s) for s in shards]
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
-        raise FileNotFoundError(f"{path}: no model.safetensors (or model.safetensors.index.json)")
+        other = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.isfile(os.path.join(path, f))]
+        hint = f"; found {other[0]}: re-save it with save_pretrained(safe_serialization=True)" if other else ""
+        raise FileNotFoundError(f"{path}: no model.safetensors (or model.safetensors.index.json){hint}")
     return [single]
 
 
@@ -460,7 +479,8 @@ def config_to_hf(c: GPTConfig, dtype, tokenizer=None) -> dict:
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),  # what transformers 4.x (and vLLM with it) reads
+        "dtype": str(dtype).removeprefix("torch."),        # what transformers 5 writes and reads
         "use_cache": True,
     }
     if c.arch == "llama":
@@ -484,6 +504,8 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
     head = "scalar" if any(a.endswith("ForSequenceClassification") for a in archs) else "lm"
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError(f"{where}: biases in attention/MLP are not supported")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
     rope = hf.get("rope_parameters") or {}
     rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_scaling = hf.get("rope_scaling")
