@@ -28,7 +28,7 @@ from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_p
 from model import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--run", default="default", help="run name: output goes to $NANOPOST_HOME/base/<run>")
+parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/base/<run>")
 parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
 parser.add_argument("--seed", type=int, default=0)
 # tokenizer
@@ -131,7 +131,7 @@ if __name__ == "__main__":
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "base_train")
-    out_dir = run_dir("base", args.run)
+    out_dir = run_dir("base", args.run_name)
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
 
     tok = build_tokenizer(args, dist)

@@ -95,7 +95,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="evaluate a chat checkpoint on held-out problems")
     ap.add_argument("--model", help="model folder or run directory (its latest checkpoint)")
     ap.add_argument("--report", action="store_true", help="gather every stage's eval.json into report.json")
-    ap.add_argument("--run", default="default", help="run name, with --report")
+    ap.add_argument("--run-name", default="default", help="run name, with --report")
     ap.add_argument("--n", type=int, default=200, help="held-out problems")
     ap.add_argument("--num-samples", type=int, default=1)
     ap.add_argument("--temperature", type=float, default=0.0)
@@ -106,7 +106,7 @@ if __name__ == "__main__":
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     if args.report:
-        report(args.run)
+        report(args.run_name)
     elif not args.model:
         ap.error("pass --model PATH or --report")
     else:

@@ -40,7 +40,7 @@ from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_p
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
 parser.add_argument("--init", default=None, help="model folder or run dir (default: the SFT run)")
-parser.add_argument("--run", default="default")
+parser.add_argument("--run-name", default="default")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
@@ -260,7 +260,7 @@ if __name__ == "__main__":
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_rl")
-    out_dir = run_dir("rl", args.run)
+    out_dir = run_dir("rl", args.run_name)
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
     if args.prompts_per_step % dist.world_size:
         parser.error(f"--prompts-per-step must be a multiple of the number of ranks ({dist.world_size})")

@@ -30,7 +30,7 @@ from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_p
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
-parser.add_argument("--run", default="default", help="run name: output goes to $NANOPOST_HOME/sft/<run>")
+parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/sft/<run>")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows (default: the embedded world)")
@@ -136,7 +136,7 @@ if __name__ == "__main__":
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_sft")
-    out_dir = run_dir("sft", args.run)
+    out_dir = run_dir("sft", args.run_name)
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
 
     # data first: a malformed file fails before any model is loaded

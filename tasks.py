@@ -667,3 +667,19 @@ def load_preferences(path: str) -> list[dict]:
 
 def load_rl(path: str) -> list[dict]:
     return load_jsonl(path, _rl_row)
+
+
+if __name__ == "__main__":
+    # Export the embedded world as the JSONL that --data reads, e.g.
+    #   python tasks.py sft --n 100 > sft.jsonl && python tokenizer.py show sft.jsonl --n 3
+    import argparse
+    import sys
+    exporters = {"pretrain": pretrain_text, "sft": sft_conversations, "pairs": preference_pairs, "rl": rl_prompts}
+    ap = argparse.ArgumentParser(description="print the embedded world as JSONL")
+    ap.add_argument("kind", choices=sorted(exporters))
+    ap.add_argument("--split", choices=sorted(SPLITS), default="train")
+    ap.add_argument("--n", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    for row in exporters[args.kind](args.split, args.n, seed=args.seed):
+        sys.stdout.write(json.dumps({"text": row} if isinstance(row, str) else row) + "\n")
