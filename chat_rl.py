@@ -47,6 +47,7 @@ parser.add_argument("--data", default=None, help="RL JSONL (default: the embedde
 parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
 # rollouts
 parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
+parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
 parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per rollout batch, all ranks together")
 parser.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt (G)")
 parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -323,15 +324,16 @@ if __name__ == "__main__":
                                     args.overlong_penalty)
 
     verifier_errors = []  # messages of the verifiers that raised during the current step
+    train_clock = 0.0  # seconds spent in steps, evaluation excluded (--time-budget, and the x axis of a curve)
     if dist.is_main and start_step == 0:
-        log.log(0, **{f"eval/{k}": v for k, v in evaluate(0).items()})
+        log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in evaluate(0).items()})
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="rl")
     for step in bar:
         lr = lr_at(step, args.steps, args.lr, args.warmup_steps, final_ratio=1.0)  # warmup, then constant
         set_lr(optimizer, lr)
         # 1. rollouts: this rank's prompts, G answers each, graded; with dynamic sampling, groups whose
         #    answers all scored the same are dropped and more prompts sampled, up to --max-resample rounds
-        t0 = time.time()
+        t0 = t_step = time.time()
         kept, n_groups, n_flat, sampled_tokens = [], 0, 0, 0
         verifier_errors.clear()
         for round_ in range(1 + (args.max_resample if args.dynamic_sampling else 0)):
@@ -418,6 +420,7 @@ if __name__ == "__main__":
         t_train = time.time() - t1
 
         # 5. log (every number summed over ranks)
+        train_clock += time.time() - t_step
         lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float)
         n_ans = all_reduce_sum(float(len(completions)))
         n_tok_all = all_reduce_sum(float(mask.sum()))
@@ -437,18 +440,24 @@ if __name__ == "__main__":
             "sample_tok_per_s": all_reduce_sum(sampled_tokens / max(t_sample, 1e-9)),
             "train_tok_per_s": all_reduce_sum(float((y != IGNORE).sum()) * args.ppo_epochs / max(t_train, 1e-9)),
             "lr": lr,
+            "train_seconds": train_clock,
         }
         if ref_model is not None:
             metrics["kl"] = all_reduce_sum(stats_sum["kl"]) / max(1.0, n_tok_all * args.ppo_epochs)
-        if dist.is_main and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+        over_budget = all_reduce_sum(float(args.time_budget > 0 and train_clock >= args.time_budget)) > 0
+        last = step + 1 == args.steps or over_budget
+        if dist.is_main and ((step + 1) % args.eval_every == 0 or last):
             final_scores = evaluate(step + 1)
             metrics.update({f"eval/{k}": v for k, v in final_scores.items()})
         if verifier_errors:
             print0(f"step {step + 1}: {len(verifier_errors)} verifier error(s) scored 0, e.g. {verifier_errors[0]}")
         log.log(step + 1, **metrics)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.save_every == 0 or last:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+        if over_budget:
+            print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
+            break
 
     if dist.is_main:
         write_eval(out_dir, final_scores if start_step < args.steps else evaluate(args.steps))

@@ -26,5 +26,6 @@ stage "tokenizer + base model" $PY base_train.py
 stage "SFT" $PY chat_sft.py
 stage "reward model" $PY chat_rm.py
 stage "DPO" $PY chat_dpo.py
+stage "PPO" $PY chat_ppo.py
 echo; echo "pipeline done in $((SECONDS - t_all)) s"
 $PY chat_eval.py --report
