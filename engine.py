@@ -75,7 +75,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.tools = tools or {}
 
-    @torch.no_grad()
+    @torch.inference_mode()  # as no_grad, and no autograd bookkeeping per op (~10% of a small decode step)
     def generate(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, top_p=None,
                  seed=0, max_tool_turns=4, return_stats=False):
         """Sample `num_samples` completions for each prompt (a list of token-id lists).
