@@ -48,7 +48,7 @@ parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-worl
 # rollouts
 parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
 parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
-parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per rollout batch, all ranks together")
+parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per rollout batch, all ranks together")
 parser.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt (G)")
 parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--temperature", type=float, default=1.0)
@@ -80,7 +80,7 @@ parser.add_argument("--mask-truncated", action="store_true", help="answers cut o
 parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
 parser.add_argument("--device-batch-size", type=int, default=32, help="sequences per forward pass")
-parser.add_argument("--lr", type=float, default=2e-4)
+parser.add_argument("--lr", type=float, default=1e-4)
 parser.add_argument("--warmup-steps", type=int, default=3)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
@@ -444,7 +444,8 @@ if __name__ == "__main__":
         }
         if ref_model is not None:
             metrics["kl"] = all_reduce_sum(stats_sum["kl"]) / max(1.0, n_tok_all * args.ppo_epochs)
-        over_budget = all_reduce_sum(float(args.time_budget > 0 and train_clock >= args.time_budget)) > 0
+        # rank 0's clock decides for all (the other ranks' clocks include waiting for its evaluations)
+        over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget
         if dist.is_main and ((step + 1) % args.eval_every == 0 or last):
             final_scores = evaluate(step + 1)
