@@ -159,7 +159,7 @@ if __name__ == "__main__":
         if ckpt is None:
             print0(f"--resume: no checkpoint in {out_dir}; starting from scratch")
         else:
-            model = GPT.from_hf(ckpt, device=device)
+            model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
             optimizer = make_optimizer(model, args.lr, args.weight_decay)
             start_step = load_training_state(ckpt, optimizer)["step"]
             print0(f"resumed from {ckpt} at step {start_step}")

@@ -342,7 +342,7 @@ if __name__ == "__main__":
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
 
     ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(init, device=device)
+    model = GPT.from_hf(init, device=device, dtype=torch.float32)
     if args.pairs == "on-policy" and not args.data:  # sampled from the starting policy, before any update
         prompts = rl_prompts("train", args.num_train, seed=args.seed)
         train_rows = on_policy_rows(model, tok, prompts, args.samples, args.temperature, args.max_new_tokens, args.seed)
@@ -367,13 +367,13 @@ if __name__ == "__main__":
     elif args.ref == "precompute":
         ref = reference_logps(model, flat(items), pad, cap).view(-1, 2)
     else:
-        ref_model = GPT.from_hf(init, device=device).eval().requires_grad_(False)
+        ref_model = GPT.from_hf(init, device=device, dtype=torch.float32).eval().requires_grad_(False)
     start_scores = {}
     if dist.is_main and args.eval_problems > 0 and not ckpt:  # the SFT start, measured the same way as the end
         start_scores = evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens)
         print0("start, held-out greedy: " + "  ".join(f"{k} {v:.3f}" for k, v in start_scores.items()))
     if ckpt:
-        model = GPT.from_hf(ckpt, device=device)
+        model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
 
     per_step = args.batch_size
     if per_step % (args.device_batch_size * dist.world_size):

@@ -271,7 +271,7 @@ if __name__ == "__main__":
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
     ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(ckpt or init, device=device)
+    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)
     optimizer = make_optimizer(model, args.lr)
     start_step = 0
     if ckpt:
@@ -282,7 +282,7 @@ if __name__ == "__main__":
     broadcast_parameters(model)
     ref_model = None
     if args.kl_beta > 0:  # the frozen start; with beta = 0 it is not even loaded
-        ref_model = GPT.from_hf(init, device=device).eval().requires_grad_(False)
+        ref_model = GPT.from_hf(init, device=device, dtype=torch.float32).eval().requires_grad_(False)
     reward_model = None
     if args.reward.startswith("rm:"):
         from chat_rm import load_reward_model, score

@@ -129,7 +129,7 @@ def load_reward_model(path, device="cpu"):
     """The reward model (in eval mode) of a model folder or an rm run directory (its latest checkpoint)."""
     from model import GPT
     path = resolve_model_path(path)
-    model = GPT.from_hf(path, device=device)
+    model = GPT.from_hf(path, device=device, dtype=torch.float32)
     if model.config.head != "scalar":
         raise ValueError(f"{path} is a language model, not a reward model (config.json is not *ForSequenceClassification); "
                          f"train one with chat_rm.py")
@@ -223,7 +223,7 @@ if __name__ == "__main__":
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
 
     ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(ckpt or init, device=device, head="scalar")  # a fresh score head starts at 0: every reward 0
+    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32, head="scalar")  # a fresh score head starts at 0: every reward 0
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:

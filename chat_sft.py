@@ -170,7 +170,7 @@ if __name__ == "__main__":
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
 
     ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(ckpt or init, device=device)
+    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:
