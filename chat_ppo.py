@@ -84,7 +84,8 @@ parser.add_argument("--device-batch-size", type=int, default=32, help="sequences
 parser.add_argument("--lr", type=float, default=1e-4, help="actor learning rate")
 parser.add_argument("--critic-lr", type=float, default=5e-4)
 parser.add_argument("--warmup-steps", type=int, default=3)
-parser.add_argument("--freeze-actor-steps", type=int, default=0, help="train only the critic for the first N steps")
+parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train only the critic for the first N steps: a critic "
+                    "started from the RM speaks the RM's scale, not the reward's, and its first advantages are noise")
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=20)
@@ -438,7 +439,8 @@ if __name__ == "__main__":
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
         }
-        over_budget = all_reduce_sum(float(args.time_budget > 0 and train_clock >= args.time_budget)) > 0
+        # rank 0's clock decides for all (the other ranks' clocks include waiting for its evaluations)
+        over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget
         if dist.is_main and ((step + 1) % args.eval_every == 0 or last):
             final_scores = evaluate(step + 1)

@@ -288,7 +288,7 @@ def test_loop_runs_with_critic_from_rm(tmp_path, tiny_chat, tok):
     torch.nn.init.normal_(rm.score.weight, std=0.5)  # a trained RM's head is not zero
     rm.save_hf(str(tmp_path / "rm" / "default"), tok)
     rows, out = ppo_run(tmp_path, tiny_chat, "--ppo-epochs", "2", "--tools", "--kl-target", "1.0",
-                        "--kl-horizon", "100", "--truncated-reward", "-0.5")
+                        "--kl-horizon", "100", "--truncated-reward", "-0.5", "--freeze-actor-steps", "1")
     assert f"from {tmp_path / 'rm' / 'default'}" in out
     steps = [r for r in rows if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
@@ -297,13 +297,14 @@ def test_loop_runs_with_critic_from_rm(tmp_path, tiny_chat, tok):
         assert r["logprob_mismatch"] < 1e-4                       # engine and trainer agree
     assert steps[0]["value_mean"] != 0                            # the RM's head, not a fresh one
     assert steps[1]["kl_beta"] != 0.05                            # the adaptive controller moved beta
+    assert steps[1]["ratio_mean"] != 1.0                          # the actor trained on step 2, 2 epochs
     assert rows[-1]["eval/pass@1"] >= 0 and "eval/pass@1_t1" in rows[-1]
     assert os.path.isfile(tmp_path / "ppo" / "default" / "eval.json")
     assert os.path.isfile(tmp_path / "ppo" / "default" / "critic" / "checkpoints" / "step_000002" / "config.json")
 
 
 def test_loop_on_two_ranks_without_rm_and_time_budget(tmp_path, tiny_chat):
-    rows, out = ppo_run(tmp_path, tiny_chat, "--time-budget", "0.001", nproc=2)
+    rows, out = ppo_run(tmp_path, tiny_chat, "--time-budget", "0.001", "--freeze-actor-steps", "0", nproc=2)
     assert "no reward model at" in out                            # the fallback is said out loud
     steps = [r for r in rows if "reward" in r]
     assert [r["step"] for r in steps] == [1]                      # the budget stopped it after one step
