@@ -258,7 +258,7 @@ if __name__ == "__main__":
     # the four networks. 1: the actor, the policy being trained
     ckpt = latest_checkpoint(out_dir) if args.resume else None
     critic_ckpt = latest_checkpoint(os.path.join(out_dir, "critic")) if args.resume else None
-    actor = GPT.from_hf(ckpt or init, device=device)
+    actor = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)  # fp32 master weights
     # 2: the critic, a value head on a GPT trunk; by default the reward model's (InstructGPT, Tülu 3)
     critic_init = args.critic_init
     if critic_init is None:
@@ -271,7 +271,7 @@ if __name__ == "__main__":
             critic_init = init
     else:
         critic_init = resolve_model_path(critic_init)
-    critic = GPT.from_hf(critic_ckpt or critic_init, device=device, head="scalar")
+    critic = GPT.from_hf(critic_ckpt or critic_init, device=device, dtype=torch.float32, head="scalar")
     # 3: the reward: the row's verifier, or a reward model
     reward_model = None
     if args.reward.startswith("rm:"):
@@ -281,7 +281,7 @@ if __name__ == "__main__":
         parser.error("--reward must be 'verifier' or 'rm:PATH'")
     # 4: the frozen reference (not loaded when there is no KL penalty)
     use_kl = args.kl_beta > 0 or args.kl_target is not None
-    ref_model = GPT.from_hf(init, device=device).eval().requires_grad_(False) if use_kl else None
+    ref_model = GPT.from_hf(init, device=device, dtype=torch.float32).eval().requires_grad_(False) if use_kl else None
 
     actor_opt = make_optimizer(actor, args.lr)
     critic_opt = make_optimizer(critic, args.critic_lr)
