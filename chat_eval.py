@@ -83,7 +83,7 @@ def report(run: str = "default") -> dict:
     out = os.path.join(nanopost_home(), "report.json")
     with open(out, "w") as f:
         json.dump(rep, f, indent=2)
-    cols = ["pass@1", "format_rate", "stop_rate", "pair_accuracy"]
+    cols = ["pass@1", "pass@1_t1", "format_rate", "stop_rate", "pair_accuracy"]
     print(f"{'stage':8s}" + "".join(f"{c:>15s}" for c in cols))
     for stage, m in rep.items():
         print(f"{stage:8s}" + "".join(f"{m[c]:15.3f}" if c in m else f"{'-':>15s}" for c in cols))
