@@ -16,15 +16,15 @@ Writes $NANOPOST_HOME/tokenizer/ and $NANOPOST_HOME/base/<run>/ (checkpoints/, m
 Resume a killed run with --resume.
 """
 import argparse
-import math
 import os
 import time
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist, init_dist, latest_checkpoint,
-                    load_training_state, lr_at, make_batch, make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0,
-                    print_config, progress, epoch_batch, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
+                    cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_batch,
+                    make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config, progress,
+                    epoch_batch, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
 from model import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from chat_sft import sft_example
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist,
-                    dist_info, epoch_batch, init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer,
-                    nanopost_home, optimizer_step, pack_bfd, print0, print_config, progress, resolve_model_path, run_dir,
-                    save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
+                    cleanup_dist, dist_info, epoch_batch, init_dist, latest_checkpoint, load_training_state,
+                    lr_at, make_optimizer, nanopost_home, optimizer_step, pack_bfd, print0, print_config,
+                    progress, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
 
@@ -475,7 +475,7 @@ if __name__ == "__main__":
         ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
         ev["peak_memory_mb"] = peak_memory_mb(device)
         ev["ref"] = "none" if orpo else args.ref
-        print0(f"held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
+        print0("held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
         log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
         write_eval(out_dir, ev)
     cleanup_dist()

@@ -24,10 +24,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from common import (MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist, epoch_batch,
-                    init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer, nanopost_home, optimizer_step, pack_bfd,
-                    print0, print_config, progress, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr,
-                    write_eval)
+from common import (MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist,
+                    epoch_batch, init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer,
+                    nanopost_home, optimizer_step, pack_bfd, print0, print_config, progress, resolve_model_path,
+                    run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")

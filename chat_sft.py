@@ -24,9 +24,11 @@ import os
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist, init_dist, latest_checkpoint,
-                    load_training_state, lr_at, make_batch, make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config,
-                    progress, epoch_batch, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
+                    cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_batch,
+                    make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config, progress,
+                    epoch_batch, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr,
+                    write_eval)
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")

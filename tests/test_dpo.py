@@ -10,9 +10,8 @@ import sys
 import pytest
 import torch
 
-import chat_dpo
-from chat_dpo import (completion_example, completion_logps, dpo_loss, kto_items, kto_loss, on_policy_rows, orpo_loss,
-                      pair_items, reference_logps)
+from chat_dpo import (completion_example, completion_logps, dpo_loss, kto_items, kto_loss, on_policy_rows,
+                      orpo_loss, pair_items, reference_logps)
 from common import IGNORE
 from model import GPT, GPTConfig
 from tasks import preference_pairs, rl_prompts

@@ -1,5 +1,4 @@
 """The engine: cache == recompute, batch == alone, seeds, log-probs == trainer's, stops, tool loop token in/out."""
-import json
 
 import pytest
 import torch

@@ -4,7 +4,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from model import GPT, GPTConfig, KVCache, logprobs_from_logits, positions_from_doc_ids, process_logits
 

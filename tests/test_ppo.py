@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from chat_ppo import (adaptive_kl_beta, explained_variance, gae, ppo_losses, token_rewards, value_loss,
-                      whiten)
+from chat_ppo import (adaptive_kl_beta, explained_variance, gae, ppo_losses, token_rewards, value_loss, whiten)
 from chat_rl import rollout_tensors
 from engine import Completion
 from model import GPT, GPTConfig

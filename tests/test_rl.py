@@ -11,8 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from chat_eval import pass_at_k
-from chat_rl import (group_advantages, kl_penalty, loss_normalizer, overlong_penalty, policy_loss, rollout_tensors,
-                     tis_weights)
+from chat_rl import (group_advantages, kl_penalty, loss_normalizer, overlong_penalty, policy_loss,
+                     rollout_tensors, tis_weights)
 from engine import Completion
 from model import GPT, GPTConfig
 
