@@ -307,17 +307,17 @@ if __name__ == "__main__":
         print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
-    def grade(row, prompt_ids, completion):
-        """Reward of one answer: the row's verifier (or the reward model), plus shaping."""
+    def grade(row, completion, rm_score=None):
+        """Reward of one answer: the row's verifier (or the reward model's score), plus shaping."""
         text = answer_text(tok.decode(completion.tokens))
-        if reward_model is None:
+        if rm_score is not None:
+            r = rm_score
+        else:
             try:
                 r = verify(row["verifier"], text, row["ground_truth"])
             except Exception as e:  # a verifier that raises scores 0, is counted, and never stops the run
                 verifier_errors.append(f"{type(e).__name__}: {e}")
                 r = 0.0
-        else:
-            r = score(reward_model, [prompt_ids + completion.tokens])[0]
         if args.format_penalty and not format_ok(text):
             r -= args.format_penalty
         return r + overlong_penalty(len(completion.tokens), args.max_new_tokens, args.overlong_buffer,
@@ -348,9 +348,11 @@ if __name__ == "__main__":
                                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                    seed=int(g.initial_seed()) % 2**31, max_tool_turns=args.max_tool_turns)
             sampled_tokens += sum(len(o.tokens) for o in outs)
+            rm_scores = [None] * len(outs) if reward_model is None else \
+                score(reward_model, [prompt_ids[o.prompt_index] + o.tokens for o in outs])  # one batched pass
             for i, r in enumerate(batch_rows):
                 group = outs[i * G:(i + 1) * G]
-                rewards = [grade(r, prompt_ids[i], o) for o in group]
+                rewards = [grade(r, o, s) for o, s in zip(group, rm_scores[i * G:(i + 1) * G])]
                 n_groups += 1
                 flat = max(rewards) == min(rewards)
                 n_flat += flat

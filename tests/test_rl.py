@@ -304,3 +304,13 @@ def test_loop_runs_with_ppo_epochs_and_tools(tmp_path, tiny_chat):
 def test_loop_runs_on_two_ranks(tmp_path, tiny_chat):
     rows = rl_run(tmp_path, tiny_chat, nproc=2)
     assert [r["step"] for r in rows if "reward" in r] == [1, 2]
+
+
+def test_loop_runs_with_a_reward_model(tmp_path, tiny_chat):
+    torch.manual_seed(1)
+    rm = GPT.from_hf(tiny_chat, head="scalar")
+    torch.nn.init.normal_(rm.score.weight)  # a random scorer: rewards differ from answer to answer
+    rm.save_hf(str(tmp_path / "rm"))
+    rows = rl_run(tmp_path, tiny_chat, "--reward", f"rm:{tmp_path / 'rm'}")
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["flat_group_frac"] < 1 for r in steps)
