@@ -315,12 +315,12 @@ if __name__ == "__main__":
         print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
-    def grade(row, prompt_ids, completion):
-        """The score of one answer: its verifier's grade, or the reward model's."""
+    def grade(row, completion, rm_score=None):
+        """The score of one answer: its verifier's grade, or the reward model's score."""
         if args.truncated_reward is not None and completion.finish_reason == "length":
             return args.truncated_reward
-        if reward_model is not None:
-            return score(reward_model, [prompt_ids + completion.tokens])[0]
+        if rm_score is not None:
+            return rm_score
         try:
             return verify(row["verifier"], answer_text(tok.decode(completion.tokens)), row["ground_truth"])
         except Exception as e:  # a verifier that raises scores 0, is counted, and never stops the run
@@ -346,7 +346,9 @@ if __name__ == "__main__":
                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                seed=int(g.initial_seed()) % 2**31, max_tool_turns=args.max_tool_turns)
         verifier_errors.clear()
-        scores = torch.tensor([grade(batch_rows[o.prompt_index], prompts[o.prompt_index], o) for o in outs])
+        rm_scores = [None] * len(outs) if reward_model is None else \
+            score(reward_model, [prompts[o.prompt_index] + o.tokens for o in outs])  # one batched pass
+        scores = torch.tensor([grade(batch_rows[o.prompt_index], o, s) for o, s in zip(outs, rm_scores)])
         x, y, mask, engine_logp, scores = rollout_tensors(prompts, outs, scores, tok.pad_id, device)
         t_sample = time.time() - t_step
 

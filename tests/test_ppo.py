@@ -287,7 +287,8 @@ def test_loop_runs_with_critic_from_rm(tmp_path, tiny_chat, tok):
     torch.nn.init.normal_(rm.score.weight, std=0.5)  # a trained RM's head is not zero
     rm.save_hf(str(tmp_path / "rm" / "default"), tok)
     rows, out = ppo_run(tmp_path, tiny_chat, "--ppo-epochs", "2", "--tools", "--kl-target", "1.0",
-                        "--kl-horizon", "100", "--truncated-reward", "-0.5", "--freeze-actor-steps", "1")
+                        "--kl-horizon", "100", "--truncated-reward", "-0.5", "--freeze-actor-steps", "1",
+                        "--reward", f"rm:{tmp_path / 'rm' / 'default'}")
     assert f"from {tmp_path / 'rm' / 'default'}" in out
     steps = [r for r in rows if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
