@@ -26,7 +26,6 @@ the held-out implicit-reward accuracy and pass@1 of the start and the end).
 import argparse
 import math
 import os
-import resource
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +33,9 @@ import torch.nn.functional as F
 from chat_sft import sft_example
 from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
                     cleanup_dist, dist_info, epoch_batch, init_dist, latest_checkpoint, load_training_state,
-                    lr_at, make_optimizer, nanopost_home, optimizer_step, pack_bfd, print0, print_config,
-                    progress, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+                    lr_at, make_optimizer, nanopost_home, optimizer_step, pack_bfd, peak_memory_mb, print0,
+                    print_config, progress, resolve_model_path, run_dir, save_checkpoint, seed_everything,
+                    set_lr, write_eval)
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
 
@@ -304,13 +304,6 @@ def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
         sel = torch.tensor([k == kind for _, _, k in items])
         m[f"accuracy/{kind}"] = right[sel].mean().item()
     return m
-
-
-def peak_memory_mb(device):
-    """Peak resident memory of this process (CPU), or peak allocated GPU memory, in MiB."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 if __name__ == "__main__":

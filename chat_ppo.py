@@ -31,7 +31,6 @@ eval.json). --time-budget SECONDS stops after that much training time (evaluatio
 """
 import argparse
 import os
-import resource
 import time
 
 import torch
@@ -39,8 +38,8 @@ import torch
 from chat_rl import kl_penalty, policy_loss, rollout_tensors, tis_weights  # the GRPO family's loss IS PPO's
 from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
                     cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer,
-                    nanopost_home, optimizer_step, print0, print_config, progress, resolve_model_path, run_dir,
-                    save_checkpoint, seed_everything, set_lr, write_eval)
+                    nanopost_home, optimizer_step, peak_memory_mb, print0, print_config, progress,
+                    resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
 parser.add_argument("--init", default=None, help="actor (and reference) model folder or run dir (default: the SFT run)")
@@ -220,13 +219,6 @@ def ppo_losses(actor, critic, x, y, mask, old_logp, old_values, advantages, retu
     v_loss, v_stats = value_loss(critic(x), old_values, returns, mask, value_clip, normalizer=normalizer)
     return pg_loss, v_loss, {"clip_frac": pg_stats["clip_frac"], "ratio_mean": pg_stats["ratio_mean"],
                              "value_clip_frac": v_stats["clip_frac"]}
-
-
-def peak_memory_mb(device):
-    """Peak resident memory of this process (CPU) or peak allocated device memory (CUDA), in MiB."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 if __name__ == "__main__":

@@ -173,6 +173,14 @@ def write_eval(run_path: str, metrics: dict):
         json.dump({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}, f, indent=2)
 
 
+def peak_memory_mb(device):
+    """Peak resident memory of this process (CPU) or peak allocated device memory (CUDA), in MiB."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
 def check_finite(loss, step):
     """A NaN/inf loss is caught, never trained on."""
     if not torch.isfinite(loss).all():
