@@ -108,6 +108,7 @@ def sync_gradients(model):
 
 def cleanup_dist():
     if dist.is_initialized():
+        dist.barrier()  # no rank tears the process group down while another still talks to it
         dist.destroy_process_group()
 
 

@@ -8,7 +8,8 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
 - `forward` gives logits, or the per-token cross-entropy when `targets` is given (ignore index -100).
 - `doc_ids` (B, T) marks documents packed into one row: positions restart at each document and attention
   never crosses one. The same mechanism isolates the left padding of a batch of prompts in the engine.
-- `kv_cache` (a `KVCache`) makes decoding one token per step cost O(T) instead of O(T^2).
+- `kv_cache` (a `KVCache`) makes decoding one token per step cost O(T) instead of O(T^2); `decode_step`
+  is the same step as one flat function over fused weights, for the engine's inner loop.
 - `token_logprobs` gives per-token log-probs in float32 chunk by chunk, so a (B, T, V) float32 tensor
   is never alive for the whole sequence (the chunks' logits are recomputed in backward).
 - `GPTConfig.head = "scalar"` swaps the vocabulary head for a one-number head (`score`), as reward
@@ -64,9 +65,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # normalize in float32 (as transformers does), then cast back before the gain; F.rms_norm is the
-        # same arithmetic as one fused op (a decode step runs 4 norms per layer, so op count matters)
-        return self.weight * F.rms_norm(x.float(), (x.size(-1),), eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x, weight, eps):
+    # transformers normalizes in float32, casts back, then applies the gain. In float32 that is exactly
+    # F.rms_norm with the gain, one call instead of four (a decode step runs 13 norms: op count matters)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.size(-1),), weight, eps)
+    y = F.rms_norm(x.float(), (x.size(-1),), eps=eps).to(x.dtype)
+    return y if weight is None else weight * y
 
 
 def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
@@ -88,10 +96,11 @@ def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
     return inv_freq
 
 
-def apply_rope(x, cos, sin):
-    # x: (B, H, T, D); cos, sin: (B, 1, T, D). The "rotate half" layout of transformers' Llama/Qwen.
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x, cos, signed_sin):
+    # x: (B, H, T, D); cos, signed_sin: (B, 1, T, D). The "rotate half" layout of transformers' Llama/Qwen,
+    # x * cos + cat(-x2, x1) * sin, written as a roll by D/2 times a sine whose first half is negated
+    # (bit-identical, and 4 ops instead of 6: a decode step runs this 8 times)
+    return x * cos + x.roll(x.size(-1) // 2, dims=-1) * signed_sin
 
 
 class KVCache:
@@ -260,7 +269,7 @@ class GPT(nn.Module):
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.register_buffer("rope_signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     @property
     def device(self):
@@ -294,7 +303,7 @@ class GPT(nn.Module):
                 kv_cache.isolated = bool((doc_ids != doc_ids[:, -1:]).any())
             else:        # decode: every new token continues its row's last document
                 doc_ids = kv_cache.doc[:, t0 - 1:t0].expand(B, T)
-                pos = kv_cache.next_pos[:, None] + torch.arange(T, device=dev)
+                pos = kv_cache.next_pos[:, None] + (torch.arange(T, device=dev) if T > 1 else 0)
             kv_cache.doc[:, t0:t0 + T] = doc_ids
             kv_cache.next_pos = pos[:, -1] + 1
             k_doc = kv_cache.doc[:, :t0 + T]
@@ -310,7 +319,7 @@ class GPT(nn.Module):
                              f"crop the sequence or raise max_seq_len")
         dtype = self.model.embed_tokens.weight.dtype
         cos = self.rope_cos[pos].unsqueeze(1).to(dtype)
-        sin = self.rope_sin[pos].unsqueeze(1).to(dtype)
+        sin = self.rope_signed_sin[pos].unsqueeze(1).to(dtype)
         x = self.model.embed_tokens(idx)
         for i, block in enumerate(self.model.layers):
             x = block(x, cos, sin, mask, kv_cache, i)
@@ -333,6 +342,65 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index,
                                reduction=reduction)
         return loss.view_as(targets) if reduction == "none" else loss
+
+    # -- one decode step, fast ----------------------------------------------------------------
+
+    def decode_weights(self):
+        """The weights decode_step reads, fused per layer: q, k and v projections as one matrix, gate and
+        up as one, the q/k-norm gains as one (H + H_kv, D) table, attention's 1/sqrt(D) folded into q
+        (into q's norm gain when there is one: the norm would undo it on the weights). A copy: build it
+        again whenever the weights change (the engine does, once per generate call: one pass over them)."""
+        assert self.config.head == "lm", "decode_step needs the language-model head"
+        scale = self.config.head_dim ** -0.5
+        fused = []
+        for layer in self.model.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            w_q, qk_gain = a.q_proj.weight, None
+            if hasattr(a, "q_norm"):
+                qk_gain = torch.cat([a.q_norm.weight.expand(a.n_head, -1) * scale, a.k_norm.weight.expand(a.n_kv_head, -1)])
+            else:
+                w_q = w_q * scale  # RoPE is linear: scaling q before it is scaling after it
+            # o and down are applied as addmm(residual, y, W.T): the residual add rides in the matmul
+            fused.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
+                          a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
+                          torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t()))
+        return fused
+
+    def decode_step(self, tokens, kv_cache, weights):
+        """Logits (B, V) of one new token per row (tokens: (B,)), appended to kv_cache: the numbers of
+        forward(tokens[:, None], kv_cache=kv_cache)[:, -1], but as one flat function over the fused weights
+        of decode_weights, with q and k normed and rotated together, attention as matmul-softmax-matmul
+        and each residual add inside its matmul. A small model's decode step is mostly per-op overhead,
+        and this runs about half the ops of the module forward (see benchmarks/bench_engine.py)."""
+        c, t = self.config, kv_cache.length
+        if not 0 < t < kv_cache.max_len:
+            raise ValueError(f"decode_step needs a prefilled KV cache with room: length {t}, max_len {kv_cache.max_len}")
+        B, H, Hk, D, eps = tokens.size(0), c.n_head, c.n_kv_head, c.head_dim, c.rms_norm_eps
+        doc = kv_cache.doc[:, t - 1]  # the new token continues its row's last document
+        kv_cache.doc[:, t] = doc
+        mask = (kv_cache.doc[:, :t + 1] == doc[:, None])[:, None, None] if kv_cache.isolated else None
+        pos = kv_cache.next_pos
+        dtype = self.model.embed_tokens.weight.dtype
+        cos = self.rope_cos[pos][:, None].to(dtype)  # (B, 1, D): the same for every head
+        sin = self.rope_signed_sin[pos][:, None].to(dtype)
+        x = self.model.embed_tokens(tokens)  # (B, C)
+        for i, (ln_attn, w_qkv, qk_gain, w_o_t, ln_mlp, w_gate_up, w_down_t) in enumerate(weights):
+            qkv = F.linear(rms_norm(x, ln_attn, eps), w_qkv).view(B, H + 2 * Hk, D)
+            qk, v = qkv[:, :H + Hk], qkv[:, H + Hk:]
+            if qk_gain is not None:  # the gain differs per head: normalize, then one (H + Hk, D) multiply
+                qk = rms_norm(qk, None, eps) * qk_gain
+            qk = apply_rope(qk, cos, sin)
+            k_all, v_all = kv_cache.update(i, qk[:, H:, None], v[:, :, None])  # (B, Hk, t + 1, D)
+            q = qk[:, :H].reshape(B, Hk, H // Hk, D)  # each kv head's group of query heads, pre-scaled
+            scores = q @ k_all.transpose(-2, -1)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            x = torch.addmm(x, (scores.softmax(-1) @ v_all).reshape(B, H * D), w_o_t)
+            gate, up = F.linear(rms_norm(x, ln_mlp, eps), w_gate_up).chunk(2, dim=-1)
+            x = torch.addmm(x, F.silu(gate) * up, w_down_t)
+        kv_cache.length += 1
+        kv_cache.next_pos = pos + 1
+        return self.lm_head(rms_norm(x, self.model.norm.weight, eps))
 
     def token_logprobs(self, idx, targets, doc_ids=None, temperature=1.0, top_k=None, top_p=None, chunk=128):
         """log p(targets[t] | idx[:t+1]) in float32, (B, T); 0 where targets < 0.

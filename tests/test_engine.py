@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import Engine, run_tool_calls
-from model import GPT, GPTConfig, logprobs_from_logits
+from model import GPT, GPTConfig, logprobs_from_logits, process_logits
 from tasks import TOOLS
 
 torch.set_num_threads(1)
@@ -81,8 +81,9 @@ class ScriptedGPT(GPT):
     def __init__(self, config, script):
         super().__init__(GPTConfig(**{**config.__dict__, "max_seq_len": 1024}))
         self.script = script
+        self.lm_head = torch.nn.Identity()  # hidden_states below already are the logits
 
-    def forward(self, idx, doc_ids=None, kv_cache=None, **_):
+    def hidden_states(self, idx, doc_ids=None, kv_cache=None):
         B, T = idx.shape
         start = kv_cache.length
         kv_cache.length += T
@@ -92,6 +93,9 @@ class ScriptedGPT(GPT):
             if nxt < len(self.script):
                 logits[:, t, self.script[nxt]] = 0.0
         return logits
+
+    def decode_step(self, tokens, kv_cache, weights):
+        return self.forward(tokens[:, None], kv_cache=kv_cache)[:, -1]
 
 
 def tool_conversation():
@@ -163,3 +167,17 @@ def test_run_tool_calls_never_raises():
     assert run_tool_calls(call % "nope", TOOLS)[0].startswith("error: unknown tool")
     assert "tool crashed" in run_tool_calls(call % "calculator", {"calculator": boom})[0]
     assert run_tool_calls(call % "calculator" + call % "calculator", TOOLS) == ["5", "5"]
+
+
+def test_sampler_draws_from_the_processed_distribution():
+    # the inverse-CDF sampler: frequencies match the softmax of the processed logits, and a token cut by
+    # top-k or of probability 0 is never drawn
+    from engine import sample_next
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]]).expand(40000, 6).contiguous()
+    gen = torch.Generator().manual_seed(0)
+    tok, lp = sample_next(logits, 0.7, 4, None, gen)
+    probs = process_logits(logits[:1], 0.7, 4).softmax(-1)[0]
+    freq = torch.bincount(tok, minlength=6).float() / len(tok)
+    assert freq[4] == 0 and freq[3] == 0  # -inf, and outside the top 4
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)  # 40k draws: a standard error <= 0.0025
+    torch.testing.assert_close(lp, probs.log()[tok])

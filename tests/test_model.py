@@ -57,6 +57,38 @@ def test_kv_cache_decoding_equals_full_recompute():
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3 and Llama
+def test_decode_step_equals_the_cached_forward(qk_norm):
+    # left-padded prompts (the padding is its own document, so the isolating mask is on), rows repeated
+    # and dropped mid-way as the engine does: the fused step must give the module forward's numbers
+    m = tiny(qk_norm=qk_norm)
+    with torch.no_grad():
+        for p in m.parameters():  # non-trivial norm gains, so a wrongly fused gain table would show
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    ids = torch.randint(1, 97, (2, 9))
+    doc = torch.tensor([[0] * 4 + [1] * 5, [1] * 9])
+    caches = [KVCache(m.config, 2, 24, "cpu", torch.float32) for _ in range(2)]
+    weights = m.decode_weights()
+    with torch.no_grad():
+        for cache in caches:
+            m(ids, doc_ids=doc, kv_cache=cache)
+            cache.repeat_rows(2)
+        assert caches[0].isolated
+        x = torch.randint(0, 97, (4,))
+        for t in range(10):
+            if t == 4:
+                for cache in caches:
+                    cache.keep_rows(torch.tensor([0, 1, 3]))
+                x = x[[0, 1, 3]]
+            want = m(x[:, None], kv_cache=caches[0])[:, -1]
+            got = m.decode_step(x, caches[1], weights)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            x = want.argmax(-1)
+    assert caches[1].length == caches[0].length and torch.equal(caches[1].next_pos, caches[0].next_pos)
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=0)
+
+
 def test_cross_entropy_ignores_masked_targets_and_reductions_agree():
     m = tiny()
     x = torch.randint(0, 97, (2, 12))

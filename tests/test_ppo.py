@@ -232,6 +232,7 @@ def _rank(rank, world, init_file, out_dir):
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4
     g = grads_of(prompts, [comps[i] for i in mine], scores[mine])
     torch.save(g, os.path.join(out_dir, f"grad{rank}.pt"))
+    dist.barrier()  # no rank tears gloo down while the other still talks to it (seen: SIGABRT)
     dist.destroy_process_group()
 
 

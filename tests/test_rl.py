@@ -246,6 +246,7 @@ def _rank(rank, world, init_file, out_dir, agg):
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4
     g = grad_of(tiny_policy(), prompts, [comps[i] for i in mine], adv[mine], agg)
     torch.save(g, os.path.join(out_dir, f"grad{rank}.pt"))
+    dist.barrier()  # no rank tears gloo down while the other still talks to it (seen: SIGABRT)
     dist.destroy_process_group()
 
 
