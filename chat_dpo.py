@@ -24,6 +24,7 @@ memory (--ref live). Writes $NANOPOST_HOME/dpo/<run>/ (checkpoints/, metrics.jso
 the held-out implicit-reward accuracy and pass@1 of the start and the end).
 """
 import argparse
+import json
 import math
 import os
 
@@ -70,7 +71,7 @@ parser.add_argument("--final-lr-ratio", type=float, default=0.1)
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out pair evaluations")
-parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems sampled greedily at the start and the end")
+parser.add_argument("--eval-problems", type=int, default=500, help="held-out problems sampled greedily at the start and the end")
 parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
@@ -225,21 +226,28 @@ def pair_items(tok, rows, max_len):
     return items, counts
 
 
-def kto_items(tok, rows, max_len):
-    """KTO's data from pairs: every chosen answer is one good example, every rejected one a bad one, each
-    with a mismatched partner (its prompt, the next example's answer) whose log-ratio estimates the KL
-    reference point. -> (answer example, partner example, desirable)."""
-    singles = [(r["prompt"], ans, r.get("tools"), good) for r in rows for ans, good in
-               ((r["chosen"], True), (r["rejected"], False))]
+def kto_items(tok, singles, max_len):
+    """KTO's data: single answers {"prompt", "completion", "label"} (tasks.kto_rows), each with a mismatched
+    partner (its prompt, the next answer's completion) whose log-ratio estimates the KL reference point.
+    -> (answer example, partner example, desirable)."""
     items, counts = [], {"dropped_prompt_too_long": 0}
-    for i, (prompt, answer, tools, good) in enumerate(singles):
-        a = completion_example(tok, prompt, answer, tools, max_len)
-        b = completion_example(tok, prompt, singles[(i + 1) % len(singles)][1], tools, max_len)
+    for i, s in enumerate(singles):
+        a = completion_example(tok, s["prompt"], s["completion"], s.get("tools"), max_len)
+        b = completion_example(tok, s["prompt"], singles[(i + 1) % len(singles)]["completion"], s.get("tools"), max_len)
         if a is None or b is None:
             counts["dropped_prompt_too_long"] += 1
         else:
-            items.append((a, b, good))
+            items.append((a, b, s["label"]))
     return items, counts
+
+
+def pairs_of_singles(singles):
+    """Held-out pairs from labeled single answers: a good and a bad answer to the same prompt (none when
+    the file never answers a prompt both ways; the implicit-reward accuracy is then not measured)."""
+    by_prompt = {}
+    for s in singles:
+        by_prompt.setdefault(json.dumps(s["prompt"]), {}).setdefault(s["label"], s["completion"])
+    return [{"prompt": json.loads(p), "chosen": d[True], "rejected": d[False]} for p, d in by_prompt.items() if len(d) == 2]
 
 
 def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens, seed, batch_size=32):
@@ -307,9 +315,9 @@ def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
 
 
 if __name__ == "__main__":
-    from chat_eval import evaluate_chat
+    from chat_eval import evaluate_chat, paired_change
     from model import GPT
-    from tasks import load_preferences, preference_pairs, rl_prompts
+    from tasks import kto_rows, load_kto, load_preferences, preference_pairs, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
@@ -327,9 +335,11 @@ if __name__ == "__main__":
     tok = Tokenizer.load(init)
     val_rows = None
     if args.data:
-        rows = load_preferences(args.data)
+        rows = load_kto(args.data) if kto else load_preferences(args.data)  # kto also reads unpaired rows
         n_val = max(1, len(rows) // 50)  # a user file: hold out its last 2%
         train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+        if kto:
+            val_rows = pairs_of_singles(val_rows)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
@@ -342,12 +352,14 @@ if __name__ == "__main__":
         print0(f"on-policy: {len(train_rows)} pairs from {len(prompts)} prompts x {args.samples} samples")
         if not train_rows:
             raise SystemExit("no prompt had both a correct and an incorrect answer: nothing to pair")
-    make = kto_items if kto else pair_items
-    items, counts = make(tok, train_rows, args.max_len)
+    if kto and "label" not in train_rows[0]:  # pairs (the embedded world's, or sampled): two labeled answers each
+        train_rows = [single for r in train_rows for single in kto_rows(r)]
+    items, counts = (kto_items if kto else pair_items)(tok, train_rows, args.max_len)
     val_items, _ = pair_items(tok, val_rows, args.max_len)
     if not items:
         raise SystemExit(f"no training example fits in --max-len {args.max_len}: {counts}")
-    print0(f"data: {len(items)} training {'answers' if kto else 'pairs'}, {len(val_items)} held-out pairs; {counts}")
+    print0(f"data: {len(items)} training {'answers' if kto else 'pairs'}, {len(val_items)} held-out pairs; {counts}"
+           + ("" if val_items else " (no held-out pair: the implicit-reward accuracy is not measured)"))
 
     # the reference: the starting model's log-probs of both completions of every item, computed now
     # (the policy IS the reference at step 0), or a frozen copy kept for live forwards
@@ -361,9 +373,11 @@ if __name__ == "__main__":
         ref = reference_logps(model, flat(items), pad, cap).view(-1, 2)
     else:
         ref_model = GPT.from_hf(init, device=device, dtype=torch.float32).eval().requires_grad_(False)
-    start_scores = {}
+    start_scores, start_correct = {}, None
+    eval_rows = rl_prompts("test", args.eval_problems)
     if dist.is_main and args.eval_problems > 0 and not ckpt:  # the SFT start, measured the same way as the end
-        start_scores = evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens)
+        start_scores, start_correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens,
+                                                    per_prompt=True)
         print0("start, held-out greedy: " + "  ".join(f"{k} {v:.3f}" for k, v in start_scores.items()))
     if ckpt:
         model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
@@ -451,7 +465,7 @@ if __name__ == "__main__":
                        "logps/chosen": s[4] / per_step, "logps/rejected": s[5] / per_step}
         metrics = {"loss": round(s[7], 6), **{k: round(v, 5) for k, v in metrics.items()}, "lr": lr,
                    "grad_norm": round(grad_norm, 4)}
-        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main:
+        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main and val_items:
             ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
             bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
@@ -462,9 +476,12 @@ if __name__ == "__main__":
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
     if dist.is_main:
-        ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
+        ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
         if args.eval_problems > 0:
-            ev.update(evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens))
+            scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, per_prompt=True)
+            ev.update(scores)
+            if start_correct is not None:  # the same problems before and after: the change and its error
+                ev["pass@1_change"], ev["pass@1_change_se"] = paired_change(start_correct, correct)
         ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
         ev["peak_memory_mb"] = peak_memory_mb(device)
         ev["ref"] = "none" if orpo else args.ref

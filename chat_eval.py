@@ -45,12 +45,13 @@ def answer_text(text: str) -> str:
 
 @torch.no_grad()
 def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None,
-                  seed=0, use_tools=False, batch_size=64):
-    """Sample and grade; returns metrics (pass@1..num_samples, format_rate, stop_rate, mean_length).
+                  seed=0, use_tools=False, batch_size=64, per_prompt=False):
+    """Sample and grade; returns metrics (pass@1..num_samples, format_rate, stop_rate, mean_length), and
+    with per_prompt=True also the number of correct samples of each row (for paired comparisons).
     use_tools offers the calculator (its schema in the prompt, executed by the engine mid-rollout)."""
     schemas = [CALCULATOR_SCHEMA] if use_tools else None
     engine = Engine(model, tok, tools=TOOLS if use_tools else None)
-    per_prompt, fmt, stops, lengths = [], 0, 0, 0
+    correct_per_row, fmt, stops, lengths = [], 0, 0, 0
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         prompts = [tok.render_for_completion(r["prompt"], tools=r.get("tools") or schemas) for r in chunk]
@@ -64,12 +65,22 @@ def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperatu
                 fmt += format_ok(answer) if r["verifier"] == "gsm8k" else 1
                 stops += o.finish_reason == "stop"
                 lengths += len(o.tokens)
-            per_prompt.append(correct)
+            correct_per_row.append(correct)
     n_total = len(rows) * num_samples
-    metrics = {f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in per_prompt) / len(rows)
+    metrics = {f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in correct_per_row) / len(rows)
                for k in range(1, num_samples + 1)}
     metrics.update(format_rate=fmt / n_total, stop_rate=stops / n_total, mean_length=lengths / n_total)
-    return metrics
+    return (metrics, correct_per_row) if per_prompt else metrics
+
+
+def paired_change(before: list, after: list) -> tuple[float, float]:
+    """Mean change of a per-problem score between two evaluations of the same problems, and its standard
+    error. Pairing cancels the problems' own difficulty: on 500 problems where two models agree on most
+    answers the error is ~0.01, where two independent pass@1 estimates would each carry ~0.022."""
+    if len(before) != len(after) or len(before) < 2:
+        raise ValueError("paired_change needs two equally long lists of at least 2 scores")
+    d = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
+    return d.mean().item(), (d.std() / len(d) ** 0.5).item()
 
 
 def report(run: str = "default") -> dict:

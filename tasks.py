@@ -615,6 +615,22 @@ def _preference_row(row: dict) -> dict:
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
+def kto_rows(row: dict) -> list[dict]:
+    """KTO's single answers: {"prompt", "completion", "label"} (TRL's unpaired form, label true for a good
+    answer), or a preference pair, which gives its chosen answer as good and its rejected one as bad."""
+    if "label" not in row:
+        pair = _preference_row(row)
+        return [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True},
+                {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False}]
+    _require(row, "prompt", "completion")
+    if not isinstance(row["label"], bool):
+        raise ValueError(f"'label' must be true (a good answer) or false (a bad one), got {row['label']!r}")
+    completion = _messages(row["completion"], "completion", "assistant")
+    if completion[0]["role"] != "assistant":
+        raise ValueError("'completion' must start with an assistant message")
+    return [{"prompt": _messages(row["prompt"], "prompt", "user"), "completion": completion, "label": row["label"]}]
+
+
 def _verifier_for(data_source: object) -> str:
     """verl names the reward function by the data set: map the usual names onto our verifiers."""
     source = str(data_source).lower()
@@ -663,6 +679,11 @@ def load_sft(path: str) -> list[dict]:
 
 def load_preferences(path: str) -> list[dict]:
     return load_jsonl(path, _preference_row)
+
+
+def load_kto(path: str) -> list[dict]:
+    """Single answers labeled good or bad, from unpaired rows or preference pairs (see kto_rows)."""
+    return [single for rows in load_jsonl(path, lambda row: {"singles": kto_rows(row)}) for single in rows["singles"]]
 
 
 def load_rl(path: str) -> list[dict]:

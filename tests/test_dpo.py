@@ -10,11 +10,12 @@ import sys
 import pytest
 import torch
 
-from chat_dpo import (completion_example, completion_logps, dpo_loss, kto_items, kto_loss, on_policy_rows,
-                      orpo_loss, pair_items, reference_logps)
+from chat_dpo import (completion_example, completion_logps, dpo_loss, kto_items, kto_loss, on_policy_rows, orpo_loss,
+                      pair_items, pairs_of_singles, reference_logps)
+from chat_eval import paired_change
 from common import IGNORE
 from model import GPT, GPTConfig
-from tasks import preference_pairs, rl_prompts
+from tasks import kto_rows, load_kto, preference_pairs, rl_prompts
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,7 +166,7 @@ def test_reference_logps_deterministic_shuffle_independent_and_rng_free(tok):
 
 def test_kto_items_split_pairs_with_mismatched_partners(tok):
     rows = preference_pairs("train", 3)
-    items, _ = kto_items(tok, rows, 1024)
+    items, _ = kto_items(tok, [single for r in rows for single in kto_rows(r)], 1024)
     assert [g for _, _, g in items] == [True, False] * 3
     # the partner of answer i is its own prompt with answer i + 1
     x0, _ = items[0][1]
@@ -233,3 +234,36 @@ def test_orpo_and_kto_train(tmp_path, tiny_chat, loss):
     rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", loss, "--device-batch-size", "8")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert 0 <= ev["pair_accuracy"] <= 1
+
+
+def test_kto_reads_unpaired_answers(tmp_path, tiny_chat):
+    # TRL's unpaired rows; the held-out tail answers its prompts both ways, so it yields pairs to measure
+    singles = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+               for r in preference_pairs("train", 60) for side in ("chosen", "rejected")]
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps(s) + "\n" for s in singles))
+    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", "kto", "--device-batch-size", "8", "--data", str(data))
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+    assert 0 <= ev["pair_accuracy"] <= 1  # 2 held-out answers (2% of 120): one good, one bad, same prompt
+
+
+def test_load_kto_and_held_out_pairs(tmp_path):
+    pair = {"prompt": "q1", "chosen": "good", "rejected": "bad"}
+    rows = [pair, {"prompt": "q2", "completion": "fine", "label": True}, {"prompt": "q2", "completion": "no", "label": False},
+            {"prompt": "q3", "completion": "alone", "label": False}]
+    path = tmp_path / "k.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    singles = load_kto(str(path))
+    assert [(s["completion"][0]["content"], s["label"]) for s in singles] == \
+        [("good", True), ("bad", False), ("fine", True), ("no", False), ("alone", False)]
+    pairs = pairs_of_singles(singles)
+    assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [("good", "bad"), ("fine", "no")]
+    path.write_text(json.dumps({"prompt": "q", "completion": "a", "label": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"k.jsonl:1: 'label' must be true"):
+        load_kto(str(path))
+
+
+def test_paired_change_of_pass_at_1():
+    # d = after - before = [0, 1, -1, 0, 1]: mean 0.2, sample std sqrt(2.8 / 4) = 0.83666, se 0.37417
+    change, se = paired_change([1, 0, 1, 1, 0], [1, 1, 0, 1, 1])
+    assert abs(change - 0.2) < 1e-12 and abs(se - 0.37417) < 1e-5
