@@ -20,8 +20,9 @@ The log-prob of a completion is the sum of its tokens' log-probs: prompt + compl
 tokenizer.render_conversation, graded where the mask is 1 after the prompt (the assistant's tokens and
 its <|im_end|>). Reference log-probs are computed once before training (--ref precompute; the
 policy is the reference at step 0, so no second model is ever loaded) or by a frozen copy kept in
-memory (--ref live). Writes $NANOPOST_HOME/dpo/<run>/ (checkpoints/, metrics.jsonl, eval.json with
-the held-out implicit-reward accuracy and pass@1 of the start and the end).
+memory (--ref live). --loss kto --data also reads unpaired rows {"prompt", "completion", "label"}.
+Writes $NANOPOST_HOME/dpo/<run>/ (checkpoints/, metrics.jsonl, eval.json with the held-out
+implicit-reward accuracy, pass@1 of the start and the end on the same problems, and the paired change).
 """
 import argparse
 import json
