@@ -303,7 +303,7 @@ class GPT(nn.Module):
                 kv_cache.isolated = bool((doc_ids != doc_ids[:, -1:]).any())
             else:        # decode: every new token continues its row's last document
                 doc_ids = kv_cache.doc[:, t0 - 1:t0].expand(B, T)
-                pos = kv_cache.next_pos[:, None] + (torch.arange(T, device=dev) if T > 1 else 0)
+                pos = kv_cache.next_pos[:, None] + torch.arange(T, device=dev)
             kv_cache.doc[:, t0:t0 + T] = doc_ids
             kv_cache.next_pos = pos[:, -1] + 1
             k_doc = kv_cache.doc[:, :t0 + T]

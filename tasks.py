@@ -558,7 +558,7 @@ def _messages(value: object, field: str, role: str) -> list[dict]:
     return [_message(m, f"{field}[{i}]") for i, m in enumerate(value)]
 
 
-def load_jsonl(path: str, normalize: Callable[[dict], dict] = dict) -> list[dict]:
+def load_jsonl(path: str, normalize: Callable[[dict], object] = dict) -> list:
     """One JSON object per line (blank lines allowed), each passed through normalize."""
     rows = []
     with open(path, "rb") as f:  # bytes, so that bad UTF-8 is reported with its line too
@@ -683,7 +683,7 @@ def load_preferences(path: str) -> list[dict]:
 
 def load_kto(path: str) -> list[dict]:
     """Single answers labeled good or bad, from unpaired rows or preference pairs (see kto_rows)."""
-    return [single for rows in load_jsonl(path, lambda row: {"singles": kto_rows(row)}) for single in rows["singles"]]
+    return [single for singles in load_jsonl(path, kto_rows) for single in singles]
 
 
 def load_rl(path: str) -> list[dict]:
