@@ -488,6 +488,16 @@ class GPT(nn.Module):
         return model.to(device)
 
 
+def load_lm_head(path, device="cpu"):
+    """The untied lm_head.weight of the LM checkpoint at `path`, read alone (float32)."""
+    from safetensors import safe_open
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            if "lm_head.weight" in f.keys():
+                return f.get_tensor("lm_head.weight").float()
+    raise ValueError(f"{path}: no lm_head.weight (a tied checkpoint's head is its embed_tokens.weight)")
+
+
 def positions_from_doc_ids(doc_ids):
     """Position of each token inside its document: 0 at every document start."""
     B, T = doc_ids.shape

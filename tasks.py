@@ -291,13 +291,18 @@ def _rambling(p: Problem, rng: random.Random) -> str:
     return "\n".join(body + [lines[-1]])
 
 
-def preference_pairs(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY) -> list[dict]:
-    """Rows {"prompt", "chosen", "rejected", "kind"}; the kinds cycle through PREFERENCE_KINDS."""
+def preference_pairs(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY,
+                     kinds: tuple[str, ...] = PREFERENCE_KINDS) -> list[dict]:
+    """Rows {"prompt", "chosen", "rejected", "kind"}; the kinds cycle through `kinds` (repeat one to
+    weight it)."""
+    unknown = set(kinds) - set(PREFERENCE_KINDS)
+    if unknown or not kinds:
+        raise ValueError(f"preference kinds must be among {PREFERENCE_KINDS}, got {list(kinds)}")
     rng = random.Random(f"preference-rejects/{split}/{seed}")
     problems = _stream(split, seed, difficulty, "preference")
     rows = []
     for i in range(n):
-        p, kind = next(problems), PREFERENCE_KINDS[i % len(PREFERENCE_KINDS)]
+        p, kind = next(problems), kinds[i % len(kinds)]
         if kind == "wrong_step":
             rejected = _wrong_step(p, rng)
         elif kind == "missing_answer":

@@ -8,9 +8,11 @@ import sys
 import pytest
 import torch
 
-from chat_rm import last_token_values, load_reward_model, render_pairs, reward_loss, rm_sequence, score
-from model import GPT, GPTConfig
-from tasks import preference_pairs
+from chat_rm import (last_token_values, lm_regularizer, load_reward_model, pack_sequences, parse_kinds, render_pairs,
+                     reward_loss, rm_sequence, score)
+from common import IGNORE
+from model import GPT, GPTConfig, load_lm_head
+from tasks import PREFERENCE_KINDS, preference_pairs
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +67,7 @@ def test_score_is_read_at_the_answers_end_of_turn(tok):
 def test_score_ignores_padding_side_batch_size_and_batch_mates(tok):
     rows = preference_pairs("train", 9)
     pairs, _ = render_pairs(tok, rows, 1024)
-    seqs = [s for c, j, _ in pairs for s in (c, j)]
+    seqs = [s for c, j, *_ in pairs for s in (c, j)]
     m = tiny_rm(tok)
     alone = torch.tensor([score(m, [s])[0] for s in seqs])
     assert alone.std() > 1e-3  # the scores differ, so the comparison means something
@@ -88,7 +90,44 @@ def test_overlong_pairs_are_dropped_and_counted(tok):
     rows = preference_pairs("train", 12)  # every third a rambling, three times as long
     pairs, dropped = render_pairs(tok, rows, 100)
     assert dropped > 0 and len(pairs) + dropped == 12
-    assert all(max(len(c), len(j)) <= 100 for c, j, _ in pairs)
+    assert all(max(len(c), len(j)) <= 100 for c, j, *_ in pairs)
+
+
+def test_lm_regularizer_is_the_chat_models_loss_on_the_chosen_answers(tok, tmp_path):
+    """At the start the RM trunk is the chat model's, so the regularizer on packed chosen answers must be
+    that model's own mean next-token loss over exactly the answers' tokens (and <|im_end|>)."""
+    rows = preference_pairs("train", 6)
+    pairs, _ = render_pairs(tok, rows, 1024)
+    for (c, _, _, targets), r in zip(pairs, rows):  # the graded targets are the answer and its end of turn
+        graded = [t for t in targets if t != IGNORE]
+        assert tok.decode(graded) == r["chosen"][0]["content"] + "<|im_end|>"
+        assert all(t == IGNORE or t == c[i + 1] for i, t in enumerate(targets))
+    for tie in (True, False):
+        torch.manual_seed(0)
+        lm = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                           intermediate_size=64, max_seq_len=1024, tie_word_embeddings=tie))
+        lm.save_hf(str(tmp_path / str(tie)), tok)
+        rm = GPT.from_hf(str(tmp_path / str(tie)), head="scalar")
+        vocab = rm.model.embed_tokens.weight if tie else load_lm_head(str(tmp_path / str(tie)))
+        torch.testing.assert_close(vocab, lm.lm_head.weight)
+        seqs = [p[0] for p in pairs] + [p[1] for p in pairs]  # rejected answers ride along, ungraded
+        ids, docs, targets, _ = pack_sequences(seqs, tok.pad_id, "packed", 1024, [p[3] for p in pairs] + [None] * 6)
+        n = int((targets != IGNORE).sum())
+        with torch.no_grad():
+            got = lm_regularizer(rm.hidden_states(ids, doc_ids=docs), targets, vocab, n)
+            want = sum(lm(torch.tensor([c]), targets=torch.tensor([t]), reduction="sum") for c, _, _, t in pairs) / n
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_kinds_weight_the_training_mix():
+    assert parse_kinds("wrong_step=2,rambling=1") == ("wrong_step", "wrong_step", "rambling")
+    rows = preference_pairs("train", 30, kinds=parse_kinds("wrong_step=4,missing_answer=1,rambling=1"))
+    assert [r["kind"] for r in rows].count("wrong_step") == 20
+    with pytest.raises(ValueError, match="kind=weight"):
+        parse_kinds("wrong_step")
+    with pytest.raises(ValueError, match="must be among"):
+        preference_pairs("train", 3, kinds=("typo",))
+    assert set(PREFERENCE_KINDS) == {"wrong_step", "missing_answer", "rambling"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,9 +157,12 @@ def rm_run(home, init, *extra, nproc=1):
 def test_ddp_and_accumulation_equal_one_big_batch_and_the_rm_loads(tmp_path, tiny_chat):
     one = rm_run(tmp_path / "one", tiny_chat, "--device-batch-size", "8")
     ddp = rm_run(tmp_path / "ddp", tiny_chat, "--device-batch-size", "2", nproc=2)  # 2 ranks x 2 micro-batches
-    assert len(one) == len(ddp) == 3 and abs(one[0]["loss"] - math.log(2)) < 1e-5  # zero head: every score 0
-    for a, b in zip(one, ddp):
-        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
+    assert len(one) == len(ddp) == 3 and abs(one[0]["reward_loss"] - math.log(2)) < 1e-5  # zero head: scores 0
+    assert one[0]["lm_loss"] > 0 and abs(one[0]["loss"] - one[0]["reward_loss"] - one[0]["lm_loss"]) < 1e-5
+    for a, b in zip(one, ddp):  # the LM regularizer's token mean included
+        for k in ("loss", "reward_loss", "lm_loss"):
+            assert abs(a[k] - b[k]) < 1e-5, k
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-4
     with open(tmp_path / "one" / "rm" / "default" / "eval.json") as f:
         assert {"pair_accuracy", "margin", "reward_mean", "reward_min", "reward_max"} <= set(json.load(f))
     model = load_reward_model(str(tmp_path / "one" / "rm" / "default"))
