@@ -155,10 +155,10 @@ def rm_run(home, init, *extra, nproc=1):
 
 
 def test_ddp_and_accumulation_equal_one_big_batch_and_the_rm_loads(tmp_path, tiny_chat):
-    one = rm_run(tmp_path / "one", tiny_chat, "--device-batch-size", "8")
-    ddp = rm_run(tmp_path / "ddp", tiny_chat, "--device-batch-size", "2", nproc=2)  # 2 ranks x 2 micro-batches
+    one = rm_run(tmp_path / "one", tiny_chat, "--device-batch-size", "8", "--lm-coef", "0.5")
+    ddp = rm_run(tmp_path / "ddp", tiny_chat, "--device-batch-size", "2", "--lm-coef", "0.5", nproc=2)  # 2 x 2
     assert len(one) == len(ddp) == 3 and abs(one[0]["reward_loss"] - math.log(2)) < 1e-5  # zero head: scores 0
-    assert one[0]["lm_loss"] > 0 and abs(one[0]["loss"] - one[0]["reward_loss"] - one[0]["lm_loss"]) < 1e-5
+    assert one[0]["lm_loss"] > 0 and abs(one[0]["loss"] - one[0]["reward_loss"] - 0.5 * one[0]["lm_loss"]) < 1e-5
     for a, b in zip(one, ddp):  # the LM regularizer's token mean included
         for k in ("loss", "reward_loss", "lm_loss"):
             assert abs(a[k] - b[k]) < 1e-5, k
