@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from chat_sft import sft_example
 from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
                     cleanup_dist, dist_info, epoch_batch, init_dist, latest_checkpoint, load_training_state,
-                    lr_at, make_optimizer, nanopost_home, optimizer_step, pack_bfd, peak_memory_mb, print0,
+                    lr_at, make_optimizer, nanopost_home, optimizer_step, pack_sequences, peak_memory_mb, print0,
                     print_config, progress, resolve_model_path, run_dir, save_checkpoint, seed_everything,
                     set_lr, write_eval)
 
@@ -143,34 +143,15 @@ def kto_loss(policy_logps, ref_logps, desirable, kl, beta=0.1, desirable_weight=
 
 def completion_logps(model, examples, pad_id, layout="packed", capacity=None):
     """Sum of log-probs over each example's graded targets, and their count: ((N,), (N,)) float32.
-    examples are (inputs, targets) with IGNORE on the prompt. Layouts, all giving the same sums:
-    right/left (one example per row, the padding after it / before it in a document of its own) and
-    packed (best-fit into rows of `capacity` tokens, each example its own document: no padding compute)."""
-    if layout == "packed":
-        rows = pack_bfd([len(x) for x, _ in examples], capacity or max(len(x) for x, _ in examples))
-    elif layout in ("right", "left"):
-        rows = [[i] for i in range(len(examples))]
-    else:
-        raise ValueError(f"layout must be 'right', 'left' or 'packed', got {layout!r}")
-    T = max(sum(len(examples[i][0]) for i in row) for row in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    docs = torch.full((len(rows), T), -1, dtype=torch.long)  # left padding: a document before the first
-    span = [None] * len(examples)
-    for r, row in enumerate(rows):
-        col = T - len(examples[row[0]][0]) if layout == "left" else 0
-        for d, i in enumerate(row):
-            x, y = examples[i]
-            ids[r, col:col + len(x)], tgt[r, col:col + len(x)] = torch.tensor(x), torch.tensor(y)
-            docs[r, col:col + len(x)] = d
-            span[i] = (r, col, col + len(x))
-            col += len(x)
-        docs[r, col:] = len(row)  # right padding: a document after them
+    examples are (inputs, targets) with IGNORE on the prompt, laid out right, left or packed
+    (common.pack_sequences), all giving the same sums."""
+    ids, docs, tgt, (rows, ends) = pack_sequences([x for x, _ in examples], pad_id, layout, capacity,
+                                                  [y for _, y in examples])
     dev = model.device
-    tgt = tgt.to(dev)
     with autocast(dev):
-        lp = model.token_logprobs(ids.to(dev), tgt, doc_ids=None if layout == "right" else docs.to(dev))
-    sums = torch.stack([lp[r, a:b].sum() for r, a, b in span])
+        lp = model.token_logprobs(ids.to(dev), tgt.to(dev), doc_ids=None if layout == "right" else docs.to(dev))
+    sums = torch.stack([lp[r, e + 1 - len(x):e + 1].sum()
+                        for (x, _), r, e in zip(examples, rows.tolist(), ends.tolist())])
     counts = torch.tensor([sum(t != IGNORE for t in y) for _, y in examples], dtype=torch.float32, device=dev)
     return sums, counts
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist,
                     epoch_batch, init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer,
-                    nanopost_home, optimizer_step, pack_bfd, print0, print_config, progress, resolve_model_path,
+                    nanopost_home, optimizer_step, pack_sequences, print0, print_config, progress, resolve_model_path,
                     run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
@@ -103,6 +103,13 @@ def lm_regularizer(hidden, targets, vocab_weight, n_tokens):
     return F.cross_entropy(logits, targets[graded], reduction="sum") / n_tokens
 
 
+def vocab_head(model, init, device="cpu"):
+    """lm_regularizer's vocabulary head: the tied embeddings (trained along), or a frozen copy of the
+    untied lm_head.weight of the chat model at `init` (the reward model has no lm_head of its own)."""
+    from model import load_lm_head
+    return model.model.embed_tokens.weight if model.config.tie_word_embeddings else load_lm_head(init, device)
+
+
 # ------------------------------------------------------------------------------------------------
 # Scoring: the value of the scalar head at each sequence's last token
 
@@ -123,44 +130,10 @@ def rm_sequence(tok, prompt, answer, tools=None):
     return rm_example(tok, prompt, answer, tools)[0]
 
 
-def pack_sequences(seqs, pad_id, layout="right", capacity=None, targets=None):
-    """Lay sequences out in rows: (ids, doc_ids, targets, ends), ends being the (rows, columns) of each
-    sequence's last token: where it ends by its own length, never a search for the first pad or eos (pad
-    may equal eos: trl#2778). targets (per sequence, or None for none) are laid out alongside, IGNORE
-    elsewhere. Layouts, all giving the same values:
-      right   one sequence per row, padded after it: no mask needed (causal attention never looks right)
-      left    one per row, padded before it: the padding is a document of its own, so nothing attends to it
-      packed  best-fit packed into rows of `capacity` tokens, each sequence its own document (positions
-              restart, attention never crosses): no padding compute, the training default."""
-    if layout == "packed":
-        rows = pack_bfd([len(s) for s in seqs], capacity or max(len(s) for s in seqs))
-    elif layout in ("right", "left"):
-        rows = [[i] for i in range(len(seqs))]
-    else:
-        raise ValueError(f"layout must be 'right', 'left' or 'packed', got {layout!r}")
-    T = max(sum(len(seqs[i]) for i in row) for row in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    docs = torch.zeros((len(rows), T), dtype=torch.long)
-    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    where = [None] * len(seqs)  # (row, column) of each sequence's last token
-    for r, row in enumerate(rows):
-        col = T - len(seqs[row[0]]) if layout == "left" else 0
-        docs[r, :col] = -1  # left padding: a document before the sequence
-        for d, i in enumerate(row):
-            n = len(seqs[i])
-            ids[r, col:col + n] = torch.tensor(seqs[i])
-            if targets is not None and targets[i] is not None:
-                tgt[r, col:col + n] = torch.tensor(targets[i])
-            docs[r, col:col + n] = d
-            col += n
-            where[i] = (r, col - 1)
-        docs[r, col:] = len(row)  # right padding: a document after them
-    return ids, docs, tgt, tuple(torch.tensor(where).T)
-
-
 def last_token_values(model, seqs, pad_id, layout="right", capacity=None):
-    """Scalar-head value at the last token of each sequence, (N,) float32, in one batch (see
-    pack_sequences for the layouts)."""
+    """Scalar-head value at the last token of each sequence, (N,) float32, in one batch: right, left or
+    packed (common.pack_sequences), all giving the same values. The position read is where each
+    sequence ends by its own length, never a search for the first pad or eos (pad may equal eos: trl#2778)."""
     ids, docs, _, ends = pack_sequences(seqs, pad_id, layout, capacity)
     dev = model.device
     with autocast(dev):
@@ -239,7 +212,7 @@ def evaluate_pairs(model, pairs, batch_size=32):
 
 
 if __name__ == "__main__":
-    from model import GPT, load_lm_head
+    from model import GPT
     from tasks import load_preferences, preference_pairs
     from tokenizer import Tokenizer
 
@@ -293,11 +266,7 @@ if __name__ == "__main__":
     print0(f"model: {model.num_params():,} parameters from {init}; {total_steps} steps "
            f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
     broadcast_parameters(model)
-    # the vocabulary head of lm_regularizer: the (trained) tied embeddings, or a frozen copy of init's lm_head
-    vocab_weight = None
-    if args.lm_coef:
-        vocab_weight = model.model.embed_tokens.weight if model.config.tie_word_embeddings else \
-            load_lm_head(init, device)
+    vocab_weight = vocab_head(model, init, device) if args.lm_coef else None
     hidden_states = torch.compile(model.hidden_states) if args.compile else model.hidden_states
     model.train()
 

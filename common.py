@@ -302,6 +302,40 @@ def pack_bfd(lengths, capacity):
     return rows
 
 
+def pack_sequences(seqs, pad_id, layout="right", capacity=None, targets=None):
+    """Lay whole sequences out in rows for one forward: (ids, doc_ids, targets, ends), ends being the
+    (rows, columns) of each sequence's last token. targets (per sequence, or None for none) are laid out
+    alongside, IGNORE elsewhere. Layouts, all giving each sequence the same outputs:
+      right   one sequence per row, padded after it: no mask needed (causal attention never looks right)
+      left    one per row, padded before it: the padding is a document of its own, so nothing attends to it
+      packed  best-fit packed into rows of `capacity` tokens, each sequence its own document (positions
+              restart, attention never crosses): no padding compute, the training default."""
+    if layout == "packed":
+        rows = pack_bfd([len(s) for s in seqs], capacity or max(len(s) for s in seqs))
+    elif layout in ("right", "left"):
+        rows = [[i] for i in range(len(seqs))]
+    else:
+        raise ValueError(f"layout must be 'right', 'left' or 'packed', got {layout!r}")
+    T = max(sum(len(seqs[i]) for i in row) for row in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
+    docs = torch.zeros((len(rows), T), dtype=torch.long)
+    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    where = [None] * len(seqs)  # (row, column) of each sequence's last token
+    for r, row in enumerate(rows):
+        col = T - len(seqs[row[0]]) if layout == "left" else 0
+        docs[r, :col] = -1  # left padding: a document before the sequence
+        for d, i in enumerate(row):
+            n = len(seqs[i])
+            ids[r, col:col + n] = torch.tensor(seqs[i])
+            if targets is not None and targets[i] is not None:
+                tgt[r, col:col + n] = torch.tensor(targets[i])
+            docs[r, col:col + n] = d
+            col += n
+            where[i] = (r, col - 1)
+        docs[r, col:] = len(row)  # right padding: a document after them
+    return ids, docs, tgt, tuple(torch.tensor(where).T)
+
+
 def collate(examples, row, pad_id, length=None):
     """One row of packed examples -> inputs, targets, doc_ids (padding is a document of its own)."""
     inputs, targets, docs = [], [], []

@@ -8,10 +8,10 @@ import sys
 import pytest
 import torch
 
-from chat_rm import (last_token_values, lm_regularizer, load_reward_model, pack_sequences, parse_kinds, render_pairs,
-                     reward_loss, rm_sequence, score)
-from common import IGNORE
-from model import GPT, GPTConfig, load_lm_head
+from chat_rm import (last_token_values, lm_regularizer, load_reward_model, parse_kinds, render_pairs, reward_loss,
+                     rm_sequence, score, vocab_head)
+from common import IGNORE, pack_sequences
+from model import GPT, GPTConfig
 from tasks import PREFERENCE_KINDS, preference_pairs
 
 torch.set_num_threads(1)
@@ -108,7 +108,8 @@ def test_lm_regularizer_is_the_chat_models_loss_on_the_chosen_answers(tok, tmp_p
                            intermediate_size=64, max_seq_len=1024, tie_word_embeddings=tie))
         lm.save_hf(str(tmp_path / str(tie)), tok)
         rm = GPT.from_hf(str(tmp_path / str(tie)), head="scalar")
-        vocab = rm.model.embed_tokens.weight if tie else load_lm_head(str(tmp_path / str(tie)))
+        vocab = vocab_head(rm, str(tmp_path / str(tie)))
+        assert (vocab is rm.model.embed_tokens.weight) == tie  # tied: trained along; untied: a copy
         torch.testing.assert_close(vocab, lm.lm_head.weight)
         seqs = [p[0] for p in pairs] + [p[1] for p in pairs]  # rejected answers ride along, ungraded
         ids, docs, targets, _ = pack_sequences(seqs, tok.pad_id, "packed", 1024, [p[3] for p in pairs] + [None] * 6)
