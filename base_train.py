@@ -113,7 +113,8 @@ def eval_loss(model, examples, rows, pad_id, seq_len, device, batch_size=32):
 def eval_samples(model, tok, n, seed, max_new_tokens=160):
     """Greedy-complete held-out questions the way the base saw them ("question\\n") and grade them."""
     from engine import Engine
-    from tasks import format_ok, generate_problems, verify
+    from rewards import format_ok, verify
+    from tasks import generate_problems
     problems = generate_problems("test", n, seed=seed)
     prompts = [tok.encode(p.question + "\n") for p in problems]
     outs = Engine(model, tok).generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)

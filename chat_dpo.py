@@ -239,9 +239,9 @@ def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens
     its share of the prompts, and every rank gets all the pairs."""
     import torch.distributed as tdist
 
-    from chat_eval import answer_text
+    from rewards import answer_text
     from engine import Engine
-    from tasks import verify
+    from rewards import verify
     from tokenizer import completion_message
     info = dist_info()
     engine = Engine(model, tok)

@@ -22,7 +22,8 @@ import torch
 
 from common import init_dist, nanopost_home, print0, resolve_model_path
 from engine import Engine
-from tasks import CALCULATOR_SCHEMA, TOOLS, format_ok, rl_prompts, verify
+from rewards import answer_text, format_ok, verify
+from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 
 STAGES = ("base", "sft", "rm", "dpo", "rl", "ppo")
 
@@ -33,14 +34,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def answer_text(text: str) -> str:
-    """What the verifier grades: the final answer after any thinking, without the end-of-turn token."""
-    text = text.split("</think>")[-1]
-    for stop in ("<|im_end|>", "<|endoftext|>"):
-        text = text.replace(stop, "")
-    return text.strip()
 
 
 @torch.no_grad()

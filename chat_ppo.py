@@ -222,10 +222,11 @@ def ppo_losses(actor, critic, x, y, mask, old_logp, old_values, advantages, retu
 
 
 if __name__ == "__main__":
-    from chat_eval import answer_text, evaluate_chat
+    from chat_eval import evaluate_chat
+    from rewards import answer_text, format_ok, verify
     from engine import Engine
     from model import GPT
-    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts, verify
+    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()

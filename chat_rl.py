@@ -250,10 +250,11 @@ def rollout_tensors(prompts, completions, advantages, pad_id, device, mask_trunc
 
 
 if __name__ == "__main__":
-    from chat_eval import answer_text, evaluate_chat
+    from chat_eval import evaluate_chat
+    from rewards import answer_text, format_ok, verify
     from engine import Engine
     from model import GPT
-    from tasks import CALCULATOR_SCHEMA, TOOLS, format_ok, load_rl, rl_prompts, verify
+    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()

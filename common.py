@@ -24,6 +24,26 @@ REPO = os.path.dirname(os.path.abspath(__file__))
 
 
 # ------------------------------------------------------------------------------------------------
+# Errors for people
+
+class UserError(ValueError):
+    """A mistake in what the user asked for: a malformed data row (file:line), a missing checkpoint, flags
+    that do not go together, a full disk. The run stops with this one line and exit code 2, no traceback
+    (run_main). Anything else is a bug of ours and keeps its traceback."""
+
+
+def run_main(main):
+    """Run a stage's main(). A UserError prints one line (rank 0 only under torchrun, whose launcher then
+    prints its own summary) and exits with code 2."""
+    try:
+        main()
+    except UserError as e:
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+# ------------------------------------------------------------------------------------------------
 # Processes, devices, seeds
 
 @dataclass

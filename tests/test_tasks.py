@@ -9,9 +9,10 @@ from collections import Counter
 import pytest
 
 import tasks
-from tasks import (CALCULATOR_SCHEMA, DEFAULT_DIFFICULTY, Difficulty, calculator, extract_boxed,
-                   extract_gsm8k_answer, format_ok, generate_problems, load_preferences, load_rl, load_sft,
-                   preference_pairs, pretrain_text, rl_prompts, run_tool, sft_conversations, split_of, verify)
+from rewards import extract_boxed, extract_gsm8k_answer, format_ok, verify
+from tasks import (CALCULATOR_SCHEMA, DEFAULT_DIFFICULTY, Difficulty, calculator, generate_problems, load_preferences,
+                   load_rl, load_sft, preference_pairs, pretrain_text, rl_prompts, run_tool, sft_conversations,
+                   split_of)
 
 HARD = Difficulty(min_steps=4, max_steps=4, max_number=50, max_factor=9, max_result=1000)
 
