@@ -145,12 +145,24 @@ def seed_everything(seed: int, rank: int = 0):
     torch.manual_seed(s)
 
 
-def autocast(device):
-    """bfloat16 autocast on CUDA where supported; plain float32 elsewhere."""
+def compute_dtype(device) -> torch.dtype:
+    """The dtype every forward computes in: bfloat16 on CUDA (where supported), float32 on CPU. Weights that
+    an optimizer updates stay float32 (AdamW updates at lr 1e-6 vanish in bfloat16); the KV cache, the
+    engine's weights and every frozen model (reference, reward model, judge, teacher) live in this dtype."""
     dev = torch.device(device)
     if dev.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast(dev.type, enabled=False)
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast(device, dtype=None):
+    """Autocast to `dtype` (default: compute_dtype(device)) around a training forward of float32 master
+    weights; a no-op when that dtype is float32."""
+    dev = torch.device(device)
+    dtype = dtype or compute_dtype(dev)
+    if dtype == torch.float32:
+        return torch.autocast(dev.type, enabled=False)
+    return torch.autocast(dev.type, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------------
