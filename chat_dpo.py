@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from chat_sft import sft_example
-from common import (IGNORE, MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast,
-                    broadcast_parameters, check_finite, cleanup_dist, compute_dtype, dist_info, epoch_batch, init_dist,
-                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, optimizer_step,
-                    pack_sequences, peak_memory_mb, print0, print_config, progress, resolve_model_path,
-                    resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max,
+                    all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype, dist_info, epoch_batch,
+                    idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer, micro_batches,
+                    nanopost_home, no_sync, optimizer_step, pack_sequences, peak_memory_mb, print0, print_config,
+                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
 
@@ -47,6 +48,7 @@ parser.add_argument("--run-name", default="default", help="run name: output goes
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
+parser.add_argument("--eval-data", default=None, help="held-out rows of the same form (default: the last 2%% of --data)")
 parser.add_argument("--pairs", choices=["embedded", "on-policy"], default="embedded",
                     help="without --data: the world's pairs, or pairs sampled from the policy (a verified-correct vs an incorrect answer)")
 parser.add_argument("--num-train", type=int, default=600, help="embedded pairs, or prompts to sample for --pairs on-policy")
@@ -65,6 +67,8 @@ parser.add_argument("--ref", choices=["precompute", "live"], default="precompute
 parser.add_argument("--batch-size", type=int, default=32, help="pairs (kto: answers) per optimizer step, all ranks together")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a pair count)")
 parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=2e-5, help="higher lowers pass@1 here: 2e-4 took it from 0.60 to 0.33")
@@ -73,7 +77,7 @@ parser.add_argument("--final-lr-ratio", type=float, default=0.1)
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out pair evaluations")
-parser.add_argument("--eval-problems", type=int, default=500, help="held-out problems sampled greedily at the start and the end")
+parser.add_argument("--eval-problems", type=int, default=500, help="embedded-world held-out problems sampled greedily at the start and the end (0: none)")
 parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
@@ -212,16 +216,21 @@ def completion_logps(model, examples, pad_id, layout="packed", capacity=None):
 def reference_logps(model, examples, pad_id, capacity, batch_size=64):
     """Log-probs of every example under the reference, computed once before training, in the data's
     order: in eval mode, with no gradient, and without touching the global RNG (trl#5542, #7084), so
-    they are the same on every call and however the data is later shuffled. Under DDP each rank
-    computes every world-th chunk and a sum all-reduce hands every rank all of them."""
+    they are the same on every call and however the data is later shuffled. Under torchrun each rank
+    computes every world-th chunk (as many passes on every rank: an FSDP2 forward is a collective) and a
+    sum all-reduce hands every rank all of them."""
     info = dist_info()
     was_training = model.training
     model.eval()
     out = torch.zeros(len(examples), device=next(model.parameters()).device)
+    chunks = list(range(0, len(examples), batch_size))[info.rank::info.world_size]
     with torch.random.fork_rng(devices=[]):
-        for c, s in enumerate(range(0, len(examples), batch_size)):
-            if c % info.world_size == info.rank:
-                out[s:s + batch_size] = completion_logps(model, examples[s:s + batch_size], pad_id, "packed", capacity)[0]
+        for c in range(int(all_reduce_max(len(chunks)))):
+            if c >= len(chunks):
+                idle_pass(model, backward=False)
+                continue
+            s = chunks[c]
+            out[s:s + batch_size] = completion_logps(model, examples[s:s + batch_size], pad_id, "packed", capacity)[0]
     model.train(was_training)
     return all_reduce_sum(out)
 
@@ -289,21 +298,19 @@ def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens
     row's verifier, pair the first correct one with the first incorrect one. Prompts where all answers
     agree teach nothing and are skipped; answers cut at the length limit are not used. Each rank samples
     its share of the prompts, and every rank gets all the pairs."""
-    import torch.distributed as tdist
-
-    from rewards import answer_text
     from engine import Engine
-    from rewards import verify
+    from rewards import answer_text, verify
     from tokenizer import completion_message
     info = dist_info()
-    engine = Engine(model, tok)
+    engine = Engine(unwrap(model), tok)
     rows = []
-    for b, s in enumerate(range(0, len(prompt_rows), batch_size)):
-        if b % info.world_size != info.rank:
-            continue
+    with engine.prepared():  # the sampler's weights, once (a collective under FSDP2: every rank calls it)
+        outputs = [(s, engine.generate([tok.render_for_completion(r["prompt"]) for r in prompt_rows[s:s + batch_size]],
+                                       num_samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       seed=seed + s))
+                   for s in list(range(0, len(prompt_rows), batch_size))[info.rank::info.world_size]]
+    for s, outs in outputs:
         chunk = prompt_rows[s:s + batch_size]
-        outs = engine.generate([tok.render_for_completion(r["prompt"]) for r in chunk], num_samples=samples,
-                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + s)
         for i, r in enumerate(chunk):
             good, bad = [], []
             for o in outs[i * samples:(i + 1) * samples]:
@@ -314,11 +321,7 @@ def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens
             if good and bad:
                 rows.append({"prompt": r["prompt"], "chosen": [completion_message(good[0])],
                              "rejected": [completion_message(bad[0])], "kind": "on-policy"})
-    if tdist.is_initialized():
-        parts = [None] * info.world_size
-        tdist.all_gather_object(parts, rows)
-        rows = [row for part in parts for row in part]
-    return rows
+    return [row for part in all_gather_objects(rows) for row in part]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,18 +330,23 @@ def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens
 @torch.no_grad()
 def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
     """Implicit-reward metrics on held-out pairs under TRL's names (accuracy: chosen reward strictly
-    above rejected, so 0 at step 0 where every margin is 0)."""
+    above rejected, so 0 at step 0 where every margin is 0). Under torchrun every rank computes its share
+    (as many passes on every rank) and the log-probs are summed over ranks."""
+    info = dist_info()
     was_training = model.training
     model.eval()
-    chosen, rejected = [], []
-    for s in range(0, len(items), batch_size):
-        chunk = items[s:s + batch_size]
-        logps, _ = completion_logps(model, [c for c, _, _ in chunk] + [j for _, j, _ in chunk], pad_id, "packed",
-                                    capacity)
-        chosen.append(logps[:len(chunk)])
-        rejected.append(logps[len(chunk):])
+    logps = torch.zeros(len(items), 2, device=next(model.parameters()).device)
+    chunks = list(range(0, len(items), batch_size))[info.rank::info.world_size]
+    for c in range(int(all_reduce_max(len(chunks)))):
+        if c >= len(chunks):
+            idle_pass(model, backward=False)
+            continue
+        chunk = items[chunks[c]:chunks[c] + batch_size]
+        lp, _ = completion_logps(model, [e for item in chunk for e in item[:2]], pad_id, "packed", capacity)
+        logps[chunks[c]:chunks[c] + len(chunk)] = lp.view(-1, 2)
     model.train(was_training)
-    chosen, rejected = torch.cat(chosen).cpu(), torch.cat(rejected).cpu()
+    logps = all_reduce_sum(logps).cpu()
+    chosen, rejected = logps[:, 0], logps[:, 1]
     chosen_rewards, rejected_rewards = beta * (chosen - ref[:, 0].cpu()), beta * (rejected - ref[:, 1].cpu())
     right = (chosen_rewards > rejected_rewards).float()
     m = {"pair_accuracy": right.mean().item(), "rewards/chosen": chosen_rewards.mean().item(),
@@ -353,7 +361,6 @@ def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
 
 def main():
     from chat_eval import evaluate_chat, paired_change
-    from model import GPT
     from tasks import kto_rows, load_kto, load_preferences, preference_pairs, rl_prompts
     from tokenizer import Tokenizer
 
@@ -367,15 +374,19 @@ def main():
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     val_rows = None
     if args.data:
-        rows = load_kto(args.data) if kto else load_preferences(args.data)  # kto also reads unpaired rows
-        n_val = max(1, len(rows) // 50)  # a user file: hold out its last 2%
-        train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+        load = load_kto if kto else load_preferences  # kto also reads unpaired rows
+        rows = load(args.data)
+        if args.eval_data:
+            train_rows, val_rows = rows, load(args.eval_data)
+        else:  # a user file: hold out its last 2%
+            n_val = max(1, len(rows) // 50)
+            train_rows, val_rows = rows[:-n_val], rows[-n_val:]
         if kto:
             val_rows = pairs_of_singles(val_rows)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
-    dist = init_dist(args.device)
+    dist = init_dist(args.device, args.dist_timeout)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_dpo")
@@ -385,7 +396,8 @@ def main():
     tok = Tokenizer.load(init)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(init, device=device, dtype=torch.float32)  # float32 master weights
+    # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
+    model = wrap_model(load_model(init, fsdp=args.fsdp), fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:  # sampled from the starting policy, before any update
         prompts = rl_prompts("train", args.num_train, seed=args.seed)
         train_rows = on_policy_rows(model, tok, prompts, args.samples, args.temperature, args.max_new_tokens, args.seed)
@@ -413,16 +425,17 @@ def main():
     elif args.ref == "precompute":
         ref = reference_logps(model, both(items), pad, cap).view(-1, 2)
     else:
-        ref_model = GPT.from_hf(init, device=device, dtype=compute_dtype(device)).eval().requires_grad_(False)
+        ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
     start_scores, start_correct = {}, None
-    eval_rows = rl_prompts("test", args.eval_problems)
-    if dist.is_main and args.eval_problems > 0 and not ckpt:  # the SFT start, measured the same way as the end
+    # greedy pass@1 on held-out problems: the embedded world's (a user's pairs have no answer key)
+    eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
+    if eval_rows and not ckpt:  # the SFT start, measured the same way as the end (every rank its share)
         start_scores, start_correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens,
                                                     per_prompt=True)
         print0("start, held-out greedy: " + "  ".join(f"{k} {v:.3f}" for k, v in start_scores.items()))
     if ckpt:
-        model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
-    model.grad_checkpointing = args.grad_checkpointing
+        model = wrap_model(load_model(ckpt, fsdp=args.fsdp), fsdp=args.fsdp)
+    unwrap(model).grad_checkpointing = args.grad_checkpointing
 
     per_step = args.batch_size
     if per_step < dist.world_size:
@@ -432,13 +445,12 @@ def main():
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:
-        start_step = load_training_state(ckpt, optimizer)["step"]
+        start_step = load_training_state(ckpt, optimizer, model)["step"]
         print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
-    print0(f"model: {model.num_params():,} parameters from {init}; loss {args.loss}, beta {args.beta}, ref "
+    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; loss {args.loss}, beta {args.beta}, ref "
            f"{'none' if orpo else args.ref}; {total_steps} steps ({steps_per_epoch} per epoch)")
-    broadcast_parameters(model)
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
@@ -459,28 +471,42 @@ def main():
         chosen_tokens = all_reduce_sum(float(sum(sum(t != IGNORE for t in items[i][0][1]) for i in mine)))
         kl = 0.0
         if kto:  # KTO's reference point: the mean log-ratio of mismatched answers over the global batch
+            kl_sum = 0.0
             with torch.no_grad():
-                kl_sum = sum((completion_logps(fwd, [items[i][1] for i in m], pad, "packed", cap)[0]
-                              - ref_of(m)[:, 1]).sum().item() for m in micros if m)
+                for m in micros:
+                    if not m:
+                        idle_pass(fwd, backward=False)
+                        if ref_model is not None:
+                            idle_pass(ref_model, backward=False)
+                        continue
+                    partners = completion_logps(fwd, [items[i][1] for i in m], pad, "packed", cap)[0]
+                    kl_sum += (partners - ref_of(m)[:, 1]).sum().item()
             kl = max(0.0, all_reduce_sum(kl_sum) / per_step)
         totals = {"loss": 0.0}
-        for m in micros:
-            if not m:
-                continue
-            micro = [items[i] for i in m]
-            if kto:
-                loss, stats = kto_micro_loss(fwd, micro, ref_of(m), pad_id=pad, capacity=cap, answers_per_step=per_step,
-                                             kl=kl, beta=args.beta, desirable_weight=args.desirable_weight,
-                                             undesirable_weight=args.undesirable_weight)
-            elif orpo:
-                loss, stats = orpo_micro_loss(fwd, micro, pad_id=pad, capacity=cap, pairs_per_step=per_step,
-                                              chosen_tokens_per_step=chosen_tokens, beta=args.beta)
-            else:
-                loss, stats = dpo_micro_loss(fwd, micro, ref_of(m), pad_id=pad, capacity=cap, pairs_per_step=per_step,
-                                             chosen_tokens_per_step=chosen_tokens, beta=args.beta, loss_type=args.loss,
-                                             label_smoothing=args.label_smoothing, rpo_alpha=args.rpo_alpha)
-            check_finite(loss, step + 1)
-            loss.backward()
+        for j, m in enumerate(micros):
+            # DDP sums gradients over ranks only at the last pass of the step (forward and backward)
+            with no_sync(model, last=j == len(micros) - 1):
+                if not m:  # this rank has nothing left: join the other ranks' collectives, train nothing
+                    idle_pass(fwd)
+                    if ref_model is not None:
+                        idle_pass(ref_model, backward=False)
+                    continue
+                micro = [items[i] for i in m]
+                if kto:
+                    loss, stats = kto_micro_loss(fwd, micro, ref_of(m), pad_id=pad, capacity=cap,
+                                                 answers_per_step=per_step, kl=kl, beta=args.beta,
+                                                 desirable_weight=args.desirable_weight,
+                                                 undesirable_weight=args.undesirable_weight)
+                elif orpo:
+                    loss, stats = orpo_micro_loss(fwd, micro, pad_id=pad, capacity=cap, pairs_per_step=per_step,
+                                                  chosen_tokens_per_step=chosen_tokens, beta=args.beta)
+                else:
+                    loss, stats = dpo_micro_loss(fwd, micro, ref_of(m), pad_id=pad, capacity=cap,
+                                                 pairs_per_step=per_step, chosen_tokens_per_step=chosen_tokens,
+                                                 beta=args.beta, loss_type=args.loss,
+                                                 label_smoothing=args.label_smoothing, rpo_alpha=args.rpo_alpha)
+                check_finite(loss, step + 1)
+                loss.backward()
             totals["loss"] += loss.item()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
@@ -498,28 +524,30 @@ def main():
             metrics = {k: v / per_step for k, v in totals.items() if k != "loss"}
         metrics = {"loss": round(totals["loss"], 6), **{k: round(v, 5) for k, v in metrics.items()}, "lr": lr,
                    "grad_norm": round(grad_norm, 4)}
-        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main and val_items:
+        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and val_items:
             ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
-            bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
-                      f"margin {ev['rewards/margins']:.3f}  logps/chosen {ev['logps/chosen']:.2f}")
+            if dist.is_main:
+                bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
+                          f"margin {ev['rewards/margins']:.3f}  logps/chosen {ev['logps/chosen']:.2f}")
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
+    # held-out, every rank its share: the implicit-reward metrics, and greedy pass@1 before and after
+    ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
+    if eval_rows:
+        scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, per_prompt=True)
+        ev.update(scores)
+        if start_correct is not None:  # the same problems before and after: the change and its error
+            ev["pass@1_change"], ev["pass@1_change_se"] = paired_change(start_correct, correct)
+    ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
+    ev["peak_memory_mb"] = peak_memory_mb(device)
+    ev["ref"] = "none" if orpo else args.ref
+    print0("held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
+    log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     if dist.is_main:
-        ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
-        if args.eval_problems > 0:
-            scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, per_prompt=True)
-            ev.update(scores)
-            if start_correct is not None:  # the same problems before and after: the change and its error
-                ev["pass@1_change"], ev["pass@1_change_se"] = paired_change(start_correct, correct)
-        ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
-        ev["peak_memory_mb"] = peak_memory_mb(device)
-        ev["ref"] = "none" if orpo else args.ref
-        print0("held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
-        log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
         write_eval(out_dir, ev)
     cleanup_dist()
 

@@ -37,11 +37,11 @@ import time
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, compute_dtype, global_mean_var, init_dist, micro_batches,
-                    load_training_state, lr_at, make_optimizer, nanopost_home, optimizer_step, peak_memory_mb,
-                    print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main,
-                    save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
+                    global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer,
+                    micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, print_config,
+                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rollout import batch_logprobs, kl_penalty, sample, tis_weights, training_batch
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
@@ -52,6 +52,7 @@ parser.add_argument("--run-name", default="default")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
+parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
 parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
 # rollouts
 parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
@@ -87,6 +88,8 @@ parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each 
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (per model)")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
 parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--lr", type=float, default=1e-4, help="actor learning rate")
 parser.add_argument("--critic-lr", type=float, default=5e-4)
 parser.add_argument("--warmup-steps", type=int, default=3)
@@ -95,7 +98,7 @@ parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train onl
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=20)
-parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems (0: no evaluation)")
+parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
 parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 parser.add_argument("--save-every", type=int, default=20)
 parser.add_argument("--resume", action="store_true")
@@ -239,16 +242,21 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
 def main():
     from chat_eval import evaluate_chat
     from engine import Engine
-    from model import GPT
     from rewards import Grader
     from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
-    rows = load_rl(args.data) if args.data else rl_prompts("train", args.num_prompts, seed=args.seed)
-    eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
-    dist = init_dist(args.device)
+    if args.data:  # held out: --eval-data, or the last 2% of --data
+        rows = load_rl(args.data)
+        eval_rows = load_rl(args.eval_data) if args.eval_data else rows[len(rows) - max(1, len(rows) // 50):]
+        rows = rows if args.eval_data else rows[:len(rows) - len(eval_rows)]
+        eval_rows = eval_rows[:args.eval_problems]
+    else:
+        rows = rl_prompts("train", args.num_prompts, seed=args.seed)
+        eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
+    dist = init_dist(args.device, args.dist_timeout)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_ppo")
@@ -266,7 +274,7 @@ def main():
     # the four networks. 1: the actor, the policy being trained, float32 master weights
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     critic_ckpt = resume_checkpoint(os.path.join(out_dir, "critic")) if args.resume else None
-    actor = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)
+    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
     # 2: the critic, a value head on a GPT trunk; by default the reward model's (InstructGPT, Tülu 3)
     if args.critic_init is not None:
         critic_init = resolve_model_path(args.critic_init)
@@ -278,13 +286,13 @@ def main():
                    f"to start the critic from it, as InstructGPT and Tülu 3 do); starting the critic from {init} "
                    f"with a fresh value head")
             critic_init = init
-    critic = GPT.from_hf(critic_ckpt or critic_init, device=device, dtype=torch.float32, head="scalar")
-    actor.grad_checkpointing = critic.grad_checkpointing = args.grad_checkpointing
+    critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp), fsdp=args.fsdp)
+    unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
-    grader = Grader(args.reward, tok, device)
+    grader = Grader(args.reward, tok, device)  # a reward model among the graders stays whole on every rank
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
     use_kl = args.kl_beta > 0 or args.kl_target is not None
-    ref_model = GPT.from_hf(init, device=device, dtype=compute_dtype(device)).eval().requires_grad_(False) if use_kl else None
+    ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False) if use_kl else None
 
     actor_opt = make_optimizer(actor, args.lr)
     critic_opt = make_optimizer(critic, args.critic_lr)
@@ -293,18 +301,16 @@ def main():
         if os.path.basename(critic_ckpt) != os.path.basename(ckpt):
             raise UserError(f"--resume: the actor's checkpoint {ckpt} and the critic's {critic_ckpt} are of different "
                             f"steps; remove the newer one")
-        load_training_state(critic_ckpt, critic_opt)
-        state = load_training_state(ckpt, actor_opt)
+        load_training_state(critic_ckpt, critic_opt, critic)
+        state = load_training_state(ckpt, actor_opt, actor)
         start_step, kl_beta, train_clock = state["step"], state["kl_beta"], state["train_seconds"]
         print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
-    broadcast_parameters(actor)
-    broadcast_parameters(critic)
-    engine = Engine(actor, tok, tools=TOOLS if args.tools else None)
+    engine = Engine(unwrap(actor), tok, tools=TOOLS if args.tools else None)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    print0(f"actor {actor.num_params():,} parameters from {init}; critic {critic.num_params():,} from {critic_init}; "
+    print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from {critic_init}; "
            f"reward {args.reward}; reference {'loaded' if ref_model else 'off (no KL)'}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {S} answers per step on {dist.world_size} rank(s)")
 
@@ -320,7 +326,7 @@ def main():
         return scores
 
     final_scores = None
-    if start_step == 0 and args.eval_problems > 0 and dist.is_main:
+    if start_step == 0 and eval_rows:  # every rank evaluates its share
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="ppo")
@@ -354,9 +360,11 @@ def main():
         old_values = torch.zeros_like(mask)
         with torch.no_grad(), autocast(device):
             for part in micro_batches(batch.lengths, args.micro_batch_tokens):
-                if part:
-                    i, cols = torch.tensor(part, device=device), int(batch.lengths[part].max())
-                    old_values[i, :cols] = critic(batch.inputs[i, :cols]).float() * mask[i, :cols]
+                if not part:  # join the other ranks' passes (an FSDP2 forward is a collective)
+                    idle_pass(critic, backward=False)
+                    continue
+                i, cols = torch.tensor(part, device=device), int(batch.lengths[part].max())
+                old_values[i, :cols] = critic(batch.inputs[i, :cols]).float() * mask[i, :cols]
         tis = tis_weights(old_logp, batch.engine_logp, args.tis_cap) if args.tis_cap > 0 else None
 
         # 3. rewards (score at the end, KL everywhere) and advantages (GAE, then whitened over all ranks)
@@ -378,20 +386,25 @@ def main():
                 if norm == 0:
                     continue
                 mb_kl = 0.0
-                for part in micro_batches(batch.lengths[mb], args.micro_batch_tokens):
-                    if not part:
-                        continue
-                    i, cols = mb[part].to(device), int(batch.lengths[mb[part]].max())
-                    with autocast(device):
-                        actor_loss, critic_loss, mst = ppo_losses(
-                            actor, critic, batch.inputs[i, :cols], batch.targets[i, :cols], mask[i, :cols],
-                            old_logp=old_logp[i, :cols], old_values=old_values[i, :cols],
-                            advantages=advantages[i, :cols], returns=returns[i, :cols], normalizer=norm,
-                            eps_low=args.eps_low, eps_high=args.eps_high, value_clip=args.value_clip,
-                            entropy_coef=args.entropy_coef, tis=None if tis is None else tis[i, :cols],
-                            **logits_settings)
-                    check_finite(actor_loss + critic_loss, step + 1)
-                    (actor_loss * train_actor + critic_loss).backward()
+                passes = micro_batches(batch.lengths[mb], args.micro_batch_tokens)
+                for j, part in enumerate(passes):
+                    last = j == len(passes) - 1  # DDP sums gradients over ranks only at the last pass
+                    with no_sync(actor, last), no_sync(critic, last):
+                        if not part:  # no answers left on this rank: join the others' collectives, train nothing
+                            idle_pass(actor)
+                            idle_pass(critic)
+                            continue
+                        i, cols = mb[part].to(device), int(batch.lengths[mb[part]].max())
+                        with autocast(device):
+                            actor_loss, critic_loss, mst = ppo_losses(
+                                actor, critic, batch.inputs[i, :cols], batch.targets[i, :cols], mask[i, :cols],
+                                old_logp=old_logp[i, :cols], old_values=old_values[i, :cols],
+                                advantages=advantages[i, :cols], returns=returns[i, :cols], normalizer=norm,
+                                eps_low=args.eps_low, eps_high=args.eps_high, value_clip=args.value_clip,
+                                entropy_coef=args.entropy_coef, tis=None if tis is None else tis[i, :cols],
+                                **logits_settings)
+                        check_finite(actor_loss + critic_loss, step + 1)
+                        (actor_loss * train_actor + critic_loss).backward()
                     st["policy_loss"] += mst["policy_loss"]
                     st["value_loss"] += critic_loss.item()
                     for k in ("clip_sum", "ratio_sum", "value_clip_sum"):
@@ -455,10 +468,10 @@ def main():
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
         }
-        # rank 0's clock decides for all (the other ranks' clocks include waiting for its evaluations)
+        # rank 0's clock decides for all, so that every rank stops at the same step
         over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget
-        if args.eval_problems > 0 and dist.is_main and ((step + 1) % args.eval_every == 0 or last):
+        if eval_rows and ((step + 1) % args.eval_every == 0 or last):
             final_scores = evaluate(step + 1)
             metrics.update({f"eval/{k}": v for k, v in final_scores.items()})
         if rollouts.errors:
@@ -474,9 +487,11 @@ def main():
             print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
             break
 
-    if dist.is_main and args.eval_problems > 0:
-        write_eval(out_dir, final_scores if final_scores is not None and start_step < args.steps else evaluate(start_step))
-        print0(f"peak memory {peak_memory_mb(device):.0f} MiB")
+    if eval_rows:
+        scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(start_step)
+        if dist.is_main:
+            write_eval(out_dir, scores)
+    print0(f"peak memory {peak_memory_mb(device):.0f} MiB")
     cleanup_dist()
 
 

@@ -38,12 +38,11 @@ import time
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, compute_dtype, global_mean_var, init_dist, load_training_state, lr_at,
-                    micro_batches,
-                    make_optimizer, nanopost_home, optimizer_step, peak_memory_mb, print0, print_config, progress,
-                    resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything,
-                    set_lr, write_eval)
+from common import (MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
+                    global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer,
+                    micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, print_config,
+                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rollout import Rollouts, batch_logprobs, kl_penalty, sample, tis_weights, training_batch
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
@@ -52,6 +51,7 @@ parser.add_argument("--run-name", default="default")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
+parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
 parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
 # rollouts
 parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
@@ -91,12 +91,14 @@ parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each 
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
 parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--lr", type=float, default=1e-4)
 parser.add_argument("--warmup-steps", type=int, default=3)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=20)
-parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems (0: no evaluation)")
+parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
 parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 parser.add_argument("--save-every", type=int, default=20)
 parser.add_argument("--resume", action="store_true")
@@ -206,6 +208,71 @@ def loss_normalizer(mask, agg):
 
 
 # ------------------------------------------------------------------------------------------------
+# The update
+
+def update_policy(model, optimizer, batch, *, old_logp, advantages, ref_logp, tis, step, args):
+    """--ppo-epochs passes over one batch of rollouts, each split into --minibatches optimizer steps, each
+    minibatch into forward passes of at most --micro-batch-tokens tokens. The loss of a pass: the clipped
+    objective (policy_loss), minus --entropy-coef times the entropy, plus --kl-beta times the KL to the
+    reference. Every term is divided by its GLOBAL normalizer over the minibatch (all passes, all ranks),
+    so the split into passes and ranks cannot change the gradient. After each optimizer step the approximate
+    KL between the sampling policy and the current one is measured over all ranks; past --target-kl the
+    remaining updates of this batch are skipped (every rank sees the same number, so every rank stops).
+    args: the parsed flags above. Returns sums over this rank's tokens and the updates' statistics."""
+    mask = batch.mask
+    logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    totals = {"loss": 0.0, "clip_frac": 0.0, "ratio": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0,
+              "grad_norm": 0.0, "updates": 0}
+    order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(step))
+    for epoch in range(args.ppo_epochs):
+        for mb in order.tensor_split(args.minibatches):  # the same number of steps on every rank
+            norm = all_reduce_sum(loss_normalizer(mask[mb], args.agg))
+            n_tokens = all_reduce_sum(float(mask[mb].sum()))
+            if n_tokens == 0:
+                continue
+            mb_kl = 0.0  # sum over this minibatch's tokens of k3(sampling policy || current policy)
+            passes = micro_batches(batch.lengths[mb], args.micro_batch_tokens)
+            for j, part in enumerate(passes):
+                # DDP sums gradients over ranks only at the last pass (forward and backward)
+                with no_sync(model, last=j == len(passes) - 1):
+                    if not part:  # this rank has no answers left: join the others' collectives, train nothing
+                        idle_pass(model)
+                        continue
+                    i, cols = mb[part].to(mask.device), int(batch.lengths[mb[part]].max())
+                    x, y, m = batch.inputs[i, :cols], batch.targets[i, :cols], mask[i, :cols]
+                    with autocast(x.device):
+                        if args.entropy_coef > 0:
+                            logp, entropy = model(x, y, with_entropy=True, **logits_settings)
+                        else:
+                            logp = model(x, y, **logits_settings)
+                    loss, st = policy_loss(logp, old_logp[i, :cols], advantages[i], m, args.eps_low, args.eps_high,
+                                           dual_clip=args.dual_clip, level=args.level, agg=args.agg,
+                                           loss_type=args.loss, normalizer=norm, max_len=args.max_new_tokens,
+                                           weights=None if tis is None else tis[i, :cols])
+                    if args.entropy_coef > 0:  # a bonus for spread-out distributions: subtract the entropy
+                        loss = loss - args.entropy_coef * (entropy * m).sum() / n_tokens
+                    if ref_logp is not None:  # the KL penalty to the frozen start, token-mean
+                        kl = kl_penalty(logp, ref_logp[i, :cols], args.kl_kind)
+                        loss = loss + args.kl_beta * (kl * m).sum() / n_tokens
+                        totals["kl"] += (kl_penalty(logp.detach(), ref_logp[i, :cols], "k3") * m).sum().item()
+                    check_finite(loss, step + 1)
+                    loss.backward()
+                log_ratio = (logp.detach() - old_logp[i, :cols]) * m
+                mb_kl += ((log_ratio.exp() - 1) - log_ratio).mul(m).sum().item()  # k3, as CleanRL logs it
+                totals["loss"] += loss.item()
+                totals["clip_frac"] += st["clip_frac"] * m.sum().item()
+                totals["ratio"] += st["ratio_mean"] * m.sum().item()
+                totals["tokens"] += m.sum().item()
+            totals["grad_norm"] += optimizer_step(model, optimizer, args.grad_clip)
+            totals["updates"] += 1
+            approx_kl = all_reduce_sum(mb_kl) / n_tokens
+            totals["approx_kl"] += approx_kl
+            if args.target_kl is not None and approx_kl > args.target_kl:
+                return totals
+    return totals
+
+
+# ------------------------------------------------------------------------------------------------
 # Rollouts: DAPO's dynamic sampling, and the overlong shaping
 
 def dynamic_sampling(sample_round, need, max_rounds):
@@ -241,16 +308,21 @@ def overlong_penalty(length, max_len, buffer, penalty=1.0):
 def main():
     from chat_eval import evaluate_chat
     from engine import Engine
-    from model import GPT
     from rewards import Grader
     from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
-    rows = load_rl(args.data) if args.data else rl_prompts("train", args.num_prompts, seed=args.seed)
-    eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
-    dist = init_dist(args.device)
+    if args.data:  # held out: --eval-data, or the last 2% of --data
+        rows = load_rl(args.data)
+        eval_rows = load_rl(args.eval_data) if args.eval_data else rows[len(rows) - max(1, len(rows) // 50):]
+        rows = rows if args.eval_data else rows[:len(rows) - len(eval_rows)]
+        eval_rows = eval_rows[:args.eval_problems]
+    else:
+        rows = rl_prompts("train", args.num_prompts, seed=args.seed)
+        eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
+    dist = init_dist(args.device, args.dist_timeout)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_rl")
@@ -262,28 +334,28 @@ def main():
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)  # float32 master weights
-    model.grad_checkpointing = args.grad_checkpointing
+    # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
+    unwrap(model).grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(model, args.lr)
     start_step, train_clock = 0, 0.0  # train_clock: seconds in steps, evaluation excluded (--time-budget)
     if ckpt:
-        state = load_training_state(ckpt, optimizer)
+        state = load_training_state(ckpt, optimizer, model)
         start_step, train_clock = state["step"], state["train_seconds"]
         print0(f"resumed from {ckpt} at step {start_step} ({train_clock:.0f} s of training)")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
-    broadcast_parameters(model)
     ref_model = None
     if args.kl_beta > 0:  # the frozen start, in the compute dtype; with beta = 0 it is not even loaded
-        ref_model = GPT.from_hf(init, device=device, dtype=compute_dtype(device)).eval().requires_grad_(False)
-    grader = Grader(args.reward, tok, device)
-    engine = Engine(model, tok, tools=TOOLS if args.tools else None)
+        ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
+    grader = Grader(args.reward, tok, device)  # a reward model among the graders stays whole on every rank
+    engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     G = args.group_size
     local_prompts = args.prompts_per_step // dist.world_size
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, tool_schemas=tool_schemas, max_tool_turns=args.max_tool_turns)
-    print0(f"model: {model.num_params():,} parameters from {init}; {len(rows)} prompts; "
+    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {G} answers per step on {dist.world_size} rank(s); reward {args.reward}")
 
     def evaluate(step):
@@ -312,7 +384,7 @@ def main():
         return rollouts
 
     final_scores = None
-    if start_step == 0 and args.eval_problems > 0 and dist.is_main:
+    if start_step == 0 and eval_rows:  # every rank evaluates its share
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="rl")
@@ -344,55 +416,9 @@ def main():
                                                                  **logits_settings)
         tis = tis_weights(old_logp, batch.engine_logp, args.tis_cap) if args.tis_cap > 0 else None
 
-        # 3. the update: --ppo-epochs passes, each --minibatches optimizer steps. Every loss term is divided
-        #    by its GLOBAL normalizer over the minibatch (all micro-batches, all ranks), so the split into
-        #    micro-batches and ranks cannot change the gradient
-        totals = {"loss": 0.0, "clip_frac": 0.0, "ratio": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0}
-        n_updates, stopped_early = 0, False
-        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(step))
-        for epoch in range(args.ppo_epochs):
-            for mb in order.tensor_split(args.minibatches):  # the same number of steps on every rank
-                norm = all_reduce_sum(loss_normalizer(mask[mb], args.agg))
-                n_tokens = all_reduce_sum(float(mask[mb].sum()))
-                if n_tokens == 0:
-                    continue
-                mb_kl = 0.0  # sum over this minibatch's tokens of k3(sampling policy || current policy)
-                for part in micro_batches(batch.lengths[mb], args.micro_batch_tokens):
-                    if not part:
-                        continue
-                    i, cols = mb[part].to(device), int(batch.lengths[mb[part]].max())
-                    x, y, m = batch.inputs[i, :cols], batch.targets[i, :cols], mask[i, :cols]
-                    with autocast(device):
-                        logp, ent = model(x, y, with_entropy=args.entropy_coef > 0, **logits_settings) \
-                            if args.entropy_coef > 0 else (model(x, y, **logits_settings), None)
-                    pg_loss, st = policy_loss(logp, old_logp[i, :cols], adv[i], m, args.eps_low, args.eps_high,
-                                              dual_clip=args.dual_clip, level=args.level, agg=args.agg,
-                                              loss_type=args.loss, normalizer=norm, max_len=args.max_new_tokens,
-                                              weights=None if tis is None else tis[i, :cols])
-                    loss = pg_loss
-                    if args.entropy_coef > 0:  # a bonus for spread-out distributions: subtract the entropy
-                        loss = loss - args.entropy_coef * (ent * m).sum() / n_tokens
-                    if ref_model is not None:  # the KL penalty to the frozen start, token-mean
-                        kl = kl_penalty(logp, ref_logp[i, :cols], args.kl_kind)
-                        loss = loss + args.kl_beta * (kl * m).sum() / n_tokens
-                        totals["kl"] += (kl_penalty(logp.detach(), ref_logp[i, :cols], "k3") * m).sum().item()
-                    check_finite(loss, step + 1)
-                    loss.backward()
-                    log_ratio = (logp.detach() - old_logp[i, :cols]) * m
-                    mb_kl += ((log_ratio.exp() - 1) - log_ratio).mul(m).sum().item()  # k3, as CleanRL logs it
-                    totals["loss"] += loss.item()
-                    totals["clip_frac"] += st["clip_frac"] * m.sum().item()
-                    totals["ratio"] += st["ratio_mean"] * m.sum().item()
-                    totals["tokens"] += m.sum().item()
-                optimizer_step(model, optimizer, args.grad_clip)
-                n_updates += 1
-                approx_kl = all_reduce_sum(mb_kl) / n_tokens  # every rank sees the same number: same decision
-                totals["approx_kl"] += approx_kl
-                if args.target_kl is not None and approx_kl > args.target_kl:
-                    stopped_early = True
-                    break
-            if stopped_early:
-                break
+        # 3. the update: --ppo-epochs passes of --minibatches optimizer steps on this batch
+        totals = update_policy(model, optimizer, batch, old_logp=old_logp, advantages=adv, ref_logp=ref_logp,
+                               tis=tis, step=step, args=args)
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
@@ -407,9 +433,10 @@ def main():
             "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
             "clip_frac": all_reduce_sum(totals["clip_frac"]) / n_tok_updates,
             "ratio_mean": all_reduce_sum(totals["ratio"]) / n_tok_updates,
-            "approx_kl": totals["approx_kl"] / max(1, n_updates),
-            "updates": n_updates,
-            "loss": all_reduce_sum(totals["loss"]) / max(1, n_updates),
+            "approx_kl": totals["approx_kl"] / max(1, totals["updates"]),
+            "updates": totals["updates"],
+            "loss": all_reduce_sum(totals["loss"]) / max(1, totals["updates"]),
+            "grad_norm": totals["grad_norm"] / max(1, totals["updates"]),
             "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
             "length_mean": s["length_sum"] / n_ans,
             "length_max": max(len(c.tokens) for c in rollouts.completions),
@@ -425,10 +452,10 @@ def main():
         }
         if ref_model is not None:
             metrics["kl"] = all_reduce_sum(totals["kl"]) / n_tok_updates
-        # rank 0's clock decides for all (the other ranks' clocks include waiting for its evaluations)
+        # rank 0's clock decides for all, so that every rank stops at the same step
         over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget
-        if args.eval_problems > 0 and dist.is_main and ((step + 1) % args.eval_every == 0 or last):
+        if eval_rows and ((step + 1) % args.eval_every == 0 or last):
             final_scores = evaluate(step + 1)
             metrics.update({f"eval/{k}": v for k, v in final_scores.items()})
         if rollouts.errors:
@@ -442,8 +469,10 @@ def main():
             print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
             break
 
-    if dist.is_main and args.eval_problems > 0:
-        write_eval(out_dir, final_scores if final_scores is not None and start_step < args.steps else evaluate(args.steps))
+    if eval_rows:
+        scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(args.steps)
+        if dist.is_main:
+            write_eval(out_dir, scores)
     cleanup_dist()
 
 

@@ -28,11 +28,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from common import (IGNORE, MetricsLogger, UserError, all_reduce_dict, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, epoch_batch, init_dist, load_training_state, lr_at, make_optimizer, micro_batches,
-                    nanopost_home, optimizer_step, pack_sequences, print0, print_config, progress, resolve_model_path,
-                    resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr, write_eval)
-from model import vocab_logprobs
+from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
+                    check_finite, cleanup_dist, dist_info, epoch_batch, idle_pass, init_dist, load_model,
+                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
+                    pack_sequences, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
+                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rewards import score
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
@@ -41,6 +41,7 @@ parser.add_argument("--run-name", default="default", help="run name: output goes
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
+parser.add_argument("--eval-data", default=None, help="held-out preference rows (default: the last 2%% of --data)")
 parser.add_argument("--num-train", type=int, default=12000, help="embedded-world training pairs")
 parser.add_argument("--kinds", default="wrong_step=6,missing_answer=1,rambling=1",
                     help="embedded-world training mix, kind=weight (held-out pairs are always an equal mix)")
@@ -49,6 +50,8 @@ parser.add_argument("--max-len", type=int, default=512, help="a pair whose promp
 parser.add_argument("--batch-size", type=int, default=32, help="pairs per optimizer step, all ranks together")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a pair count)")
 parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=3e-3)
@@ -89,11 +92,12 @@ def reward_loss(rewards_chosen, rewards_rejected, margin=None, center_coef=None)
     return loss
 
 
-def lm_regularizer(hidden, targets, vocab_weight, n_tokens):
+def lm_regularizer(target_logprobs, n_tokens):
     """GRM's SFT regularizer (Yang et al. 2024, https://arxiv.org/abs/2406.10216): the chat model's
-    next-token loss on the chosen answers, from the same hidden states the score head reads, summed over
-    the graded positions (targets != IGNORE) and divided by n_tokens, the step's count over every
-    micro-batch and rank (so accumulation and DDP give the one-batch mean).
+    next-token loss on the chosen answers, from the same hidden states the score head reads (the reward
+    model's forward with targets gives their log-probs through the vocabulary head, see attach_vocab_head),
+    summed over the graded positions and divided by n_tokens, the step's count over every micro-batch and
+    rank (so accumulation and DDP give the one-batch mean).
 
     Why: the Bradley-Terry loss is one bit per pair, and alone it lets the trunk drift away from what it
     knew as a language model. Keeping the LM loss keeps those features; here that is the arithmetic
@@ -101,14 +105,16 @@ def lm_regularizer(hidden, targets, vocab_weight, n_tokens):
     lr 3e-3, same SFT start), held-out pair accuracy (wrong-step pairs): 0.870 (0.61) without it;
     0.930 (0.79) with lm_coef 1; 0.917 (0.75) with lm_coef 2, and 0.910 (0.73) against 0.883 (0.65)
     for lm_coef 1 at --seed 1 (other pairs, held-out ones too)."""
-    return -vocab_logprobs(hidden, vocab_weight, targets).sum() / n_tokens  # chunked: no (N, V) logits
+    return -target_logprobs.sum() / n_tokens
 
 
-def vocab_head(model, init, device="cpu"):
-    """lm_regularizer's vocabulary head: the tied embeddings (trained along), or a frozen copy of the
-    untied lm_head.weight of the chat model at `init` (the reward model has no lm_head of its own)."""
+def attach_vocab_head(model, init):
+    """The regularizer's vocabulary head: the tied embeddings (trained along), or else a frozen copy of the
+    untied lm_head.weight of the chat model at `init` (the reward model has no lm_head of its own),
+    attached as the non-persistent buffer frozen_lm_head that the forward reads."""
     from model import load_lm_head
-    return model.model.embed_tokens.weight if model.config.tie_word_embeddings else load_lm_head(init, device)
+    if not model.config.tie_word_embeddings:
+        model.register_buffer("frozen_lm_head", load_lm_head(init, model.device), persistent=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -163,9 +169,24 @@ def parse_kinds(spec):
 @torch.no_grad()
 def evaluate_pairs(model, pairs, batch_size=32):
     """Held-out pair accuracy (r_c > r_r; a tie counts as wrong), mean margin, reward statistics and
-    accuracy per kind of pair."""
-    rc = torch.tensor(score(model, [p[0] for p in pairs], batch_size))
-    rr = torch.tensor(score(model, [p[1] for p in pairs], batch_size))
+    accuracy per kind of pair. Under torchrun every rank scores its share of the pairs, in as many passes
+    as the others (an FSDP2 forward is a collective), and the scores are gathered."""
+    info = dist_info()
+    model = unwrap(model)
+    mine = list(range(info.rank, len(pairs), info.world_size))
+    n_passes = int(all_reduce_max(-(-len(mine) // batch_size)))
+    scored = {}
+    for k in range(n_passes):
+        idx = mine[k * batch_size:(k + 1) * batch_size]
+        if not idx:
+            idle_pass(model, backward=False)
+            continue
+        values = score(model, [pairs[i][0] for i in idx] + [pairs[i][1] for i in idx], batch_size=2 * len(idx))
+        scored.update({i: (c, r) for i, c, r in zip(idx, values[:len(idx)], values[len(idx):])})
+    for part in all_gather_objects(scored):
+        scored.update(part)
+    rc = torch.tensor([scored[i][0] for i in range(len(pairs))])
+    rr = torch.tensor([scored[i][1] for i in range(len(pairs))])
     both = torch.cat([rc, rr])
     right = (rc > rr).float()
     m = {"pair_accuracy": right.mean().item(), "margin": (rc - rr).mean().item(), "reward_mean": both.mean().item(),
@@ -177,7 +198,6 @@ def evaluate_pairs(model, pairs, batch_size=32):
 
 
 def main():
-    from model import GPT
     from tasks import load_preferences, preference_pairs
     from tokenizer import Tokenizer
 
@@ -185,8 +205,11 @@ def main():
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:
         rows = load_preferences(args.data)
-        n_val = max(1, len(rows) // 50)  # a user file: hold out its last 2%
-        train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+        if args.eval_data:
+            train_rows, val_rows = rows, load_preferences(args.eval_data)
+        else:  # a user file: hold out its last 2%
+            n_val = max(1, len(rows) // 50)
+            train_rows, val_rows = rows[:-n_val], rows[-n_val:]
     else:
         try:
             kinds = parse_kinds(args.kinds)
@@ -194,7 +217,7 @@ def main():
         except ValueError as e:
             raise UserError(f"--kinds {args.kinds!r}: {e}") from None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
-    dist = init_dist(args.device)
+    dist = init_dist(args.device, args.dist_timeout)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_rm")
@@ -218,18 +241,19 @@ def main():
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # a fresh score head starts at 0: every reward 0 at step 0
-    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32, head="scalar")
+    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp)  # float32 master weights
     model.grad_checkpointing = args.grad_checkpointing
+    if args.lm_coef:
+        attach_vocab_head(model, init)
+    model = wrap_model(model, fsdp=args.fsdp)  # DDP under torchrun, or FSDP2 with --fsdp
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:
-        start_step = load_training_state(ckpt, optimizer)["step"]
+        start_step = load_training_state(ckpt, optimizer, model)["step"]
         print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
-    print0(f"model: {model.num_params():,} parameters from {init}; {total_steps} steps ({steps_per_epoch} per epoch)")
-    broadcast_parameters(model)
-    vocab_weight = vocab_head(model, init, device) if args.lm_coef else None
+    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
@@ -241,48 +265,55 @@ def main():
         mine = step_pairs[dist.rank::dist.world_size]
         n_graded = sum(sum(t != IGNORE for t in p[3]) for p in step_pairs)  # LM tokens of the step, all ranks
         totals = {}
-        for part in micro_batches([len(p[0]) + len(p[1]) for p in mine], args.micro_batch_tokens, packed=True):
-            if not part:
-                continue
-            micro = [mine[i] for i in part]
-            n = len(micro)
-            ids, docs, targets, ends = pack_sequences([p[0] for p in micro] + [p[1] for p in micro], tok.pad_id,
-                                                      "packed", args.max_len, [p[3] for p in micro] + [None] * n)
-            with autocast(device):
-                values, hidden = fwd(ids.to(device), doc_ids=docs.to(device), return_hidden=True)
-            values = values[ends[0].to(device), ends[1].to(device)]
-            chosen, rejected = values[:n], values[n:]
-            # reward_loss is a mean over this micro-batch's pairs; weighting it by n / per_step makes the
-            # sum over micro-batches and ranks the mean over the global batch (see common.py)
-            rm_loss = reward_loss(chosen, rejected, center_coef=args.center_coef) * (n / per_step)
-            lm_loss = lm_regularizer(hidden, targets.to(device), vocab_weight, n_graded) if args.lm_coef else \
-                torch.zeros((), device=device)
-            loss = rm_loss + args.lm_coef * lm_loss
-            check_finite(loss, step + 1)
-            loss.backward()
-            for k, v in {"reward_loss": rm_loss.item(), "lm_loss": lm_loss.item(), "correct": (chosen > rejected).sum().item(),
-                         "margin": (chosen - rejected).sum().item(), "reward_sum": values.sum().item()}.items():
-                totals[k] = totals.get(k, 0.0) + v
+        passes = micro_batches([len(p[0]) + len(p[1]) for p in mine], args.micro_batch_tokens, packed=True)
+        for j, part in enumerate(passes):
+            # DDP sums gradients over ranks only at the last pass of the step (forward and backward)
+            with no_sync(model, last=j == len(passes) - 1):
+                if not part:  # this rank has no pairs left: join the other ranks' collectives, train nothing
+                    idle_pass(fwd)
+                    continue
+                micro = [mine[i] for i in part]
+                n = len(micro)
+                ids, docs, targets, ends = pack_sequences([p[0] for p in micro] + [p[1] for p in micro], tok.pad_id,
+                                                          "packed", args.max_len, [p[3] for p in micro] + [None] * n)
+                with autocast(device):
+                    if args.lm_coef:  # the scores, and the chosen answers' log-probs under the chat head
+                        values, target_logprobs = fwd(ids.to(device), targets.to(device), doc_ids=docs.to(device))
+                    else:
+                        values = fwd(ids.to(device), doc_ids=docs.to(device))
+                values = values[ends[0].to(device), ends[1].to(device)]
+                chosen, rejected = values[:n], values[n:]
+                # reward_loss is a mean over this micro-batch's pairs; weighting it by n / per_step makes the
+                # sum over micro-batches and ranks the mean over the global batch (see common.py)
+                rm_loss = reward_loss(chosen, rejected, center_coef=args.center_coef) * (n / per_step)
+                lm_loss = lm_regularizer(target_logprobs, n_graded) if args.lm_coef else torch.zeros((), device=device)
+                loss = rm_loss + args.lm_coef * lm_loss
+                check_finite(loss, step + 1)
+                loss.backward()
+                for k, v in {"reward_loss": rm_loss.item(), "lm_loss": lm_loss.item(), "correct": (chosen > rejected).sum().item(),
+                             "margin": (chosen - rejected).sum().item(), "reward_sum": values.sum().item()}.items():
+                    totals[k] = totals.get(k, 0.0) + v
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
         totals = all_reduce_dict(totals, keys=["reward_loss", "lm_loss", "correct", "margin", "reward_sum"])
         metrics = {"loss": round(totals["reward_loss"] + args.lm_coef * totals["lm_loss"], 6),
                    "reward_loss": round(totals["reward_loss"], 6), "lm_loss": round(totals["lm_loss"], 6),
                    "accuracy": totals["correct"] / per_step, "margin": totals["margin"] / per_step,
                    "reward_mean": totals["reward_sum"] / (2 * per_step), "lr": lr, "grad_norm": round(grad_norm, 4)}
-        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main:
+        if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
             ev = evaluate_pairs(model, val_pairs)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
-            bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
-                      f"margin {ev['margin']:.3f}")
+            if dist.is_main:
+                bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
+                          f"margin {ev['margin']:.3f}")
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
+    ev = evaluate_pairs(model, val_pairs)  # every rank its share
+    print0(f"held-out ({len(val_pairs)} pairs): " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+    log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     if dist.is_main:
-        ev = evaluate_pairs(model, val_pairs)
-        print0(f"held-out ({len(val_pairs)} pairs): " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-        log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
         write_eval(out_dir, ev)
     cleanup_dist()
 

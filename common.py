@@ -1,11 +1,16 @@
 """
-Shared machinery for every stage: distributed setup from torchrun's environment, rank-0 printing,
-seeding, device and dtype, run directories, JSONL metrics, and atomic checkpoints with resume.
+Shared machinery for every stage: distributed setup from torchrun's environment, DDP and FSDP2 wrapping,
+rank-0 printing, seeding, device and dtype, run directories, JSONL metrics, packing and token-budget
+micro-batches, and atomic checkpoints with resume.
 
-DDP here is an equivalence, not a different program: each rank computes the SUM of its token losses
-divided by the GLOBAL token count (all micro-batches, all ranks), and `sync_gradients` all-reduces
-gradients with SUM. N ranks with batch B/N then produce exactly the gradient of one rank with batch B.
+Distributed training is an equivalence, not a different program: each rank computes the SUM of its token
+losses divided by the GLOBAL token count (all micro-batches, all ranks), and the wrappers SUM gradients
+across ranks (wrap_model). N ranks with batch B/N then produce exactly the gradient of one rank with
+batch B, with torch's DistributedDataParallel or with FSDP2 (--fsdp).
 """
+import contextlib
+import datetime
+import errno
 import json
 import os
 import random
@@ -61,9 +66,11 @@ class DistInfo:
 _DIST = DistInfo()
 
 
-def init_dist(device: str = "auto") -> DistInfo:
+def init_dist(device: str = "auto", timeout_minutes: float = 30) -> DistInfo:
     """Read torchrun's RANK / WORLD_SIZE (a single process when absent): gloo on CPU, nccl on CUDA.
-    On CPU each rank gets cores / local ranks threads: oversubscribed ranks run several times slower."""
+    On CPU each rank gets cores / local ranks threads: oversubscribed ranks run several times slower.
+    timeout_minutes (--dist-timeout): how long a rank may wait inside a collective before the process
+    group gives up (NCCL's watchdog default is 10 minutes; a slow checkpoint can take longer)."""
     global _DIST
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,7 +86,8 @@ def init_dist(device: str = "auto") -> DistInfo:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=timeout_minutes))
     _DIST = DistInfo(rank, local_rank, world, dev)
     return _DIST
 
@@ -113,6 +121,15 @@ def all_reduce_dict(values: dict, keys=None) -> dict:
     return dict(zip(keys, all_reduce_sum(t).tolist()))
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable object, in rank order (a list of one without torchrun)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_reduce_max(x):
     """The maximum of a Python number across ranks."""
     if not dist.is_initialized():
@@ -138,18 +155,101 @@ def broadcast_parameters(model):
             dist.broadcast(p.data, src=0)
 
 
-def sync_gradients(model):
-    """All-reduce (SUM) every gradient in one flat buffer. Losses are already divided by the global
-    normalizer, so the sum is the full-batch gradient."""
-    if not dist.is_initialized():
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+# ------------------------------------------------------------------------------------------------
+# Distributed training: torch's DistributedDataParallel, or FSDP2 (--fsdp)
+
+def _sum_allreduce_hook(state, bucket):
+    """DDP averages gradients by default; the losses here are already divided by the global normalizer,
+    so the buckets are summed instead."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def shard_model(model):
+    """FSDP2 in place (torch.distributed.fsdp.fully_shard): each decoder block, then the root, so that
+    parameters, gradients and AdamW state are split across ranks and a block's weights are gathered only
+    for its own forward and backward. On CUDA the forward computes in bf16 from float32 master shards and
+    gradients are reduced in float32. Gradients are SUMMED (the loss is already divided by the global
+    normalizer): set_gradient_divide_factor(1.0) on every FSDP module (the call is not recursive) and, on
+    gloo, set_force_sum_reduction_for_comms(True). Returns the model (its class becomes FSDP<class>)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    if isinstance(model, FSDPModule):
+        return model
+    dev = _DIST.device
+    low = compute_dtype(dev)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else \
+        MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if dev.type == "cpu":
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def wrap_model(model, fsdp=False):
+    """The module that training calls (so that the wrapper's hooks see every forward). One process: the
+    model itself. N ranks: FSDP2 (shard_model) with fsdp=True, else DistributedDataParallel, each rank a
+    full replica, gradients summed in buckets overlapped with the backward pass (_sum_allreduce_hook)."""
+    if _DIST.world_size == 1:
+        return model
+    if fsdp:
+        return shard_model(model)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model, device_ids=[_DIST.device.index] if _DIST.device.type == "cuda" else None,
+              forward_sync_buffers=False, gradient_as_bucket_view=True)  # rank 0's weights broadcast here
+    ddp.register_comm_hook(None, _sum_allreduce_hook)
+    return ddp
+
+
+def load_model(path, dtype=torch.float32, head=None, fsdp=False):
+    """A model folder loaded for this rank, on its device: whole, or with fsdp=True under torchrun built
+    sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor."""
+    from model import GPT
+    shard = shard_model if fsdp and _DIST.world_size > 1 else None
+    return GPT.from_hf(path, dtype=dtype, device=_DIST.device, head=head, shard=shard)
+
+
+def unwrap(model):
+    """The GPT inside a DDP wrapper (an FSDP2 model is its own module, with sharded parameters)."""
+    return getattr(model, "module", model)
+
+
+def reshard(model) -> bool:
+    """Put an FSDP2 model's parameters back in their sharded form (the root keeps its own gathered after a
+    forward with no backward, e.g. an evaluation; the optimizer and checkpoints know the shards); returns
+    whether the model is sharded at all."""
+    from torch.distributed.fsdp import FSDPModule
+    modules = [m for m in unwrap(model).modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.reshard()
+    return bool(modules)
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(unwrap(model), FSDPModule)
+
+
+def no_sync(model, last: bool):
+    """Gradient accumulation: DDP skips its all-reduce on every micro-batch but the last of an optimizer
+    step. FSDP2 reduce-scatters every micro-batch: holding unsharded float32 gradients across micro-
+    batches would cost their full size (32 GB at 8B parameters)."""
+    if not last and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def idle_pass(model, backward=True):
+    """A forward (and backward) of one token that trains nothing, for a rank that has no data left in a
+    pass the other ranks run: under DDP every rank must join each gradient all-reduce, under FSDP2 every
+    forward and backward gathers and scatters weights with all ranks."""
+    x = torch.zeros(1, 1, dtype=torch.long, device=_DIST.device)
+    out = model(x)
+    if backward:
+        (out.float().sum() * 0.0).backward()
 
 
 def cleanup_dist():
@@ -254,32 +354,53 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2):
-    """Write run_path/checkpoints/step_XXXXXX/ : config.json, model.safetensors, tokenizer files
-    (what transformers reads), plus optimizer.pt, trainer_state.json and rng_rank{r}.pt (what --resume
-    reads). Everything goes to a .tmp folder that is renamed into place only when complete, so a
-    process killed mid-save leaves the previous checkpoint intact. The `keep` newest are kept."""
+    """Write run_path/checkpoints/step_XXXXXX/ : a Hugging Face folder (config.json, the safetensors
+    weights, tokenizer files: what transformers reads), plus nanopost's training state: the optimizer
+    (optimizer.pt, or under FSDP2 the sharded optimizer/ folder of torch.distributed.checkpoint, which a
+    run on another number of ranks can load), trainer_state.json and rng_rank{r}.pt. Everything goes to
+    a .tmp folder renamed into place only when complete, so a process killed mid-save leaves the previous
+    checkpoint intact; a full disk is a UserError naming the folder. The `keep` newest are kept. Every
+    rank calls it."""
     root = os.path.join(run_path, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
-    if _DIST.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_hf(tmp, tokenizer)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **(state or {})}, f, indent=2)
-    barrier()
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
-    barrier()
-    if _DIST.is_main:
-        for name in os.listdir(tmp):  # make the bytes durable before the rename publishes them
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in list_checkpoints(run_path)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    gpt, sharded = unwrap(model), reshard(model)
+    try:
+        if _DIST.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier()
+        if sharded or _DIST.is_main:  # sharded weights are gathered tensor by tensor, with every rank
+            gpt.save_hf(tmp, tokenizer)
+        if optimizer is not None and sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+            dcp.save({"optimizer": get_optimizer_state_dict(gpt, optimizer)},
+                     checkpoint_id=os.path.join(tmp, "optimizer"))
+        if _DIST.is_main:
+            if optimizer is not None and not sharded:
+                torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, "world_size": _DIST.world_size, **(state or {})}, f, indent=2)
+        barrier()
+        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
+        barrier()
+        if _DIST.is_main:
+            for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename publishes them
+                for name in names:
+                    with open(os.path.join(folder, name), "rb") as f:
+                        os.fsync(f.fileno())
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            for old in list_checkpoints(run_path)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"no room to write the checkpoint {final} ({e.strerror}); the previous checkpoint is "
+                            f"intact: free disk space, then continue with --resume") from None
+        raise
     barrier()
     return final
 
@@ -324,23 +445,39 @@ def rng_state():
     return s
 
 
-def load_training_state(ckpt, optimizer=None) -> dict:
-    """Restore optimizer and this rank's RNG from a checkpoint; returns trainer_state.json.
-    Call it AFTER any seeding, so the restored RNG is the one that continues."""
-    if optimizer is not None:
+def load_training_state(ckpt, optimizer=None, model=None) -> dict:
+    """Restore the optimizer and this rank's RNG from a checkpoint; returns trainer_state.json.
+    Call it AFTER any seeding, so the restored RNG is the one that continues. A sharded (FSDP2) model's
+    optimizer comes from the checkpoint's optimizer/ folder, resharded to however many ranks run now. On
+    another number of ranks the per-rank RNG streams cannot be restored: the run continues from the
+    saved weights and optimizer with fresh per-rank seeds (its losses will differ from the original's)."""
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        state = json.load(f)
+    if optimizer is not None and model is not None and reshard(model):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        if not os.path.isdir(os.path.join(ckpt, "optimizer")):
+            raise UserError(f"{ckpt} has no sharded optimizer state (optimizer/): it was saved without --fsdp; "
+                            f"resume without --fsdp")
+        osd = get_optimizer_state_dict(unwrap(model), optimizer)
+        dcp.load({"optimizer": osd}, checkpoint_id=os.path.join(ckpt, "optimizer"))
+        set_optimizer_state_dict(unwrap(model), optimizer, osd)
+    elif optimizer is not None:
+        if not os.path.isfile(os.path.join(ckpt, "optimizer.pt")):
+            raise UserError(f"{ckpt} has no optimizer.pt: it was saved with --fsdp; resume with --fsdp")
         optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu",
                                              weights_only=False))
-    rng_file = os.path.join(ckpt, f"rng_rank{_DIST.rank}.pt")
-    if not os.path.isfile(rng_file):
-        raise UserError(f"{rng_file} missing: resume with the same number of ranks as the saved run")
-    s = torch.load(rng_file, weights_only=False)
+    if state.get("world_size", _DIST.world_size) != _DIST.world_size:
+        print0(f"note: {ckpt} was saved by {state['world_size']} rank(s), this run has {_DIST.world_size}: "
+               f"weights and optimizer resume, the random streams start afresh")
+        return state
+    s = torch.load(os.path.join(ckpt, f"rng_rank{_DIST.rank}.pt"), weights_only=False)
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
-    with open(os.path.join(ckpt, "trainer_state.json")) as f:
-        return json.load(f)
+    return state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -451,6 +588,31 @@ def micro_batches(lengths, max_tokens: int, packed=False) -> list[list[int]]:
 
 
 
+@torch.no_grad()
+def heldout_loss(model, examples, rows, pad_id, seq_len, packing, device, batch_size=16):
+    """Mean next-token loss over the trained tokens of held-out rows (make_batch's rows of examples).
+    Each rank computes its share
+    (rows[rank::world]) in as many passes as the others (an FSDP2 forward is a collective), then the sums
+    are added up."""
+    info = _DIST
+    mine = rows[info.rank::info.world_size]
+    n_passes = int(all_reduce_max(-(-len(mine) // batch_size)))
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, n_passes * batch_size, batch_size):
+        if i >= len(mine):
+            idle_pass(model, backward=False)
+            continue
+        x, y, d = make_batch(examples, mine[i:i + batch_size], pad_id, seq_len, packing, device)
+        with autocast(device):
+            total -= model(x, y, doc_ids=d).sum().item()
+        count += (y != IGNORE).sum().item()
+    model.train()
+    sums = all_reduce_dict({"total": total, "count": count}, keys=["total", "count"])
+    return sums["total"] / max(1, sums["count"])
+
+
+
 # ------------------------------------------------------------------------------------------------
 # Optimization
 
@@ -468,12 +630,14 @@ def epoch_batch(num_rows, step, batch_size, seed):
 
 
 def make_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.95)):
-    """AdamW; weight decay on matrices only (not on norms' gains)."""
+    """AdamW; weight decay on matrices only (not on norms' gains). Fused (one kernel for every tensor) on
+    CUDA; the plain loop on CPU."""
+    reshard(model)  # an FSDP2 root left gathered by an evaluation would hand over its gathered parameters
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=False)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=_DIST.device.type == "cuda")
 
 
 def lr_at(step, total_steps, base_lr, warmup_steps=0, final_ratio=0.1):
@@ -497,9 +661,11 @@ def progress(iterable, **kwargs):
 
 
 def optimizer_step(model, optimizer, grad_clip):
-    """Sum gradients over ranks, clip, step, zero. Returns the gradient norm before clipping."""
-    sync_gradients(model)
+    """Clip, step, zero (DDP and FSDP2 have already summed the gradients over ranks in backward).
+    Returns the gradient norm before clipping (over all ranks' shards under FSDP2)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
+        norm = norm.full_tensor()
     if not torch.isfinite(norm):
         raise FloatingPointError(f"gradient norm is {norm.item()}; not stepping on it. Lower the learning rate")
     optimizer.step()

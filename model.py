@@ -306,9 +306,9 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def _init_rope(self):
-        inv_freq = rope_inv_freq(self.config)
-        t = torch.arange(self.config.max_seq_len, dtype=torch.float32)
+    def _init_rope(self, device=None):
+        inv_freq = rope_inv_freq(self.config).to(device)
+        t = torch.arange(self.config.max_seq_len, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
@@ -379,10 +379,10 @@ class GPT(nn.Module):
     # -- the heads ---------------------------------------------------------------------------
 
     def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, *, temperature=1.0, top_k=None, top_p=None,
-                with_entropy=False, return_hidden=False):
+                with_entropy=False):
         """What each head gives, from the hidden states of idx (B, T):
-          head="scalar"        values (B, T), float32 (reward models, critics); return_hidden=True also
-                               returns the hidden states (B, T, C) (the RM's LM regularizer reads them)
+          head="scalar"        values (B, T), float32 (reward models, critics); with targets also their
+                               log-probs through the vocabulary head (the RM's LM regularizer)
           no targets           logits (B, T, V): for inference and tests only; at a vocabulary of 151,936
                                they are 0.6 GB per 1,000 tokens in float32, so training never asks for them
           targets (B, T)       log p(targets[t] | idx[:t+1]) in float32, (B, T), 0 where targets < 0: the
@@ -393,7 +393,13 @@ class GPT(nn.Module):
         h = self.hidden_states(idx, doc_ids, kv_cache)
         if self.config.head == "scalar":
             values = self.score(h).squeeze(-1).float()
-            return (values, h) if return_hidden else values
+            if targets is None:
+                return values
+            # a reward model with GRM's LM regularizer (chat_rm.py): the chat model's log-probs of the
+            # targets, from the same hidden states, through the tied embeddings or a frozen copy of the
+            # chat model's untied head (the buffer frozen_lm_head, attached by chat_rm.py)
+            head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.frozen_lm_head
+            return values, vocab_logprobs(h, head, targets)
         if targets is None:
             return self.lm_head(h)
         return self.head_logprobs(h, targets, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -464,17 +470,49 @@ class GPT(nn.Module):
 
     # -- Hugging Face folders ----------------------------------------------------------------
 
-    def save_hf(self, path, tokenizer=None, dtype=None):
-        """Write a folder that transformers loads: config.json, model.safetensors,
-        generation_config.json, and the tokenizer files. Not atomic by itself (see common.py)."""
+    def save_hf(self, path, tokenizer=None, dtype=None, max_shard_bytes=5 * 2**30):
+        """Write a folder that transformers loads: config.json, the weights (model.safetensors, or files
+        of at most max_shard_bytes with model.safetensors.index.json, as transformers shards them),
+        generation_config.json and the tokenizer files. Not atomic by itself (see common.py).
+        Under FSDP2 every rank must call it: each tensor is gathered on its own (full_tensor) and rank 0
+        writes, so no rank ever holds more than one file's worth of full tensors."""
+        import torch.distributed as dist
         from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
-        sd = self.state_dict()
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        state = self.state_dict()
         if self.config.head == "lm" and self.config.tie_word_embeddings:
-            sd.pop("lm_head.weight")  # tied: transformers re-ties it from embed_tokens
-        sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in sd.items()}
-        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        hf = config_to_hf(self.config, dtype or next(self.parameters()).dtype, tokenizer)
+            state.pop("lm_head.weight")  # tied: transformers re-ties it from embed_tokens
+        out_dtype = dtype or next(self.parameters()).dtype
+        files, current, size = [], [], 0  # consecutive tensors, a file at most max_shard_bytes
+        for key, value in state.items():
+            nbytes = value.numel() * (dtype or value.dtype).itemsize
+            if current and size + nbytes > max_shard_bytes:
+                files.append(current)
+                current, size = [], 0
+            current.append(key)
+            size += nbytes
+        files.append(current)
+        names = ["model.safetensors"] if len(files) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+        if writer:
+            os.makedirs(path, exist_ok=True)
+        for name, keys in zip(names, files):
+            tensors = {}
+            for key in keys:
+                value = state[key].detach()
+                value = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor shard
+                if writer:
+                    tensors[key] = value.to(dtype or value.dtype).cpu().contiguous()
+            if writer:
+                save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+        if not writer:
+            return
+        if len(files) > 1:
+            total = sum(state[k].numel() * (dtype or state[k].dtype).itemsize for k in state)
+            index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, ks in zip(names, files) for k in ks}}
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        hf = config_to_hf(self.config, out_dtype, tokenizer)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
         if self.config.head == "lm":
@@ -487,15 +525,18 @@ class GPT(nn.Module):
             tokenizer.save(path)
 
     @classmethod
-    def from_hf(cls, path, dtype=None, device="cpu", head=None):
+    def from_hf(cls, path, dtype=None, device="cpu", head=None, shard=None):
         """Load a Hugging Face folder (ours or a downloaded Qwen3 / Llama) tensor by tensor, without
         holding two copies of the weights. head="scalar" on an LM checkpoint starts a reward model or
-        critic from it (the vocabulary head is dropped, the score head freshly initialized)."""
+        critic from it (the vocabulary head is dropped, the score head freshly initialized at 0).
+        shard: a function that shards a model in place (common.shard_model, FSDP2). The model is then
+        built on the meta device, sharded, allocated, and each rank copies only its own slice of each
+        tensor from the memory-mapped files: no rank ever holds the whole model."""
         from safetensors import safe_open
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise UserError(f"{path}: no config.json; expected a Hugging Face model folder "
-                                    f"(config.json + model.safetensors)")
+                            f"(config.json + model.safetensors)")
         with open(cfg_path) as f:
             config = config_from_hf(json.load(f), path)
         if head is not None:
@@ -503,30 +544,51 @@ class GPT(nn.Module):
         files = _safetensors_files(path)
         with torch.device("meta"):
             model = cls(config)
-        expected = set(model.state_dict().keys())
+        if shard is not None:  # every parameter is a fresh object after these: build the optimizer later
+            if dtype is not None:
+                model.to(dtype)
+            shard(model)
+            model.to_empty(device=device)
+        params = dict(model.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
+        expected = set(params) if shard is not None else set(model.state_dict().keys())
         loaded = set()
         for file in files:
-            with safe_open(file, framework="pt", device=str(device)) as f:
+            with safe_open(file, framework="pt", device="cpu" if shard is not None else str(device)) as f:
                 for key in f.keys():
                     if key not in expected:
                         if key in ("lm_head.weight", "score.weight"):
                             continue  # the other head (e.g. an RM started from an LM checkpoint)
                         raise UserError(f"{file}: unexpected tensor {key!r} for {config.arch}")
                     t = f.get_tensor(key)
-                    _set_tensor(model, key, t.to(dtype) if dtype is not None else t)
+                    if shard is not None:
+                        _copy_shard(params[key], t)
+                    else:
+                        _set_tensor(model, key, t.to(dtype) if dtype is not None else t)
                     loaded.add(key)
         if config.head == "lm" and config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+            if shard is None:
+                model.lm_head.weight = model.model.embed_tokens.weight
             loaded.add("lm_head.weight")
         missing = expected - loaded
-        if config.head == "scalar" and missing == {"score.weight"}:  # fresh score head
-            ref = model.model.embed_tokens.weight
-            _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=ref.dtype, device=ref.device))
+        if config.head == "scalar" and missing == {"score.weight"}:  # fresh score head: every reward 0
+            if shard is not None:
+                with torch.no_grad():
+                    params["score.weight"].zero_()
+            else:
+                ref = model.model.embed_tokens.weight
+                _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=ref.dtype, device=ref.device))
             missing = set()
         if missing:
             raise UserError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
-        model._init_rope()
-        return model.to(device)
+        model._init_rope(device)
+        return model if shard is not None else model.to(device)  # (.to would replace FSDP's sharded parameters)
+
+
+def _copy_shard(param, full):
+    """Copy this rank's slice of a full tensor into a sharded (DTensor) parameter, without communication."""
+    from torch.distributed.tensor import distribute_tensor
+    with torch.no_grad():
+        param.copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None))
 
 
 def load_lm_head(path, device="cpu"):

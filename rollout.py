@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import IGNORE, micro_batches
+from common import IGNORE, autocast, idle_pass, micro_batches
 
 
 @dataclass
@@ -146,11 +146,11 @@ def batch_logprobs(model, batch: TrainingBatch, max_tokens, *, temperature=1.0, 
     """Log-probs (B, T) of every sampled token under `model`, in forward passes of at most max_tokens
     tokens, without gradient: the snapshot of the policy that sampled (the "old" policy of the importance
     ratio) or of a frozen reference. with_entropy also returns each token's entropy (B, T)."""
-    from common import autocast
     logp = torch.zeros_like(batch.mask)
     entropy = torch.zeros_like(batch.mask)
     for idx in micro_batches(batch.lengths, max_tokens):
-        if not idx:
+        if not idx:  # this rank has no rows left: join the other ranks' passes (an FSDP2 forward is a collective)
+            idle_pass(model, backward=False)
             continue
         idx_t, cols = torch.tensor(idx, device=batch.mask.device), int(batch.lengths[idx].max())
         with autocast(batch.inputs.device):

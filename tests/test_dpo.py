@@ -229,6 +229,21 @@ def test_ddp_accumulation_and_live_reference_equal_one_big_batch(tmp_path, tiny_
     assert ev["ref"] == "precompute" and ev_live["ref"] == "live"
 
 
+def test_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_chat):
+    from safetensors.torch import load_file
+    runs = {}
+    for name, nproc, extra in (("one", 1, ()), ("fsdp", 2, ("--fsdp", "--micro-batch-tokens", "300"))):
+        runs[name] = dpo_run(tmp_path / name, tiny_chat, "--steps", "3", "--save-every", "3", *extra, nproc=nproc)[0]
+    assert len(runs["one"]) == 3
+    for a, b in zip(runs["one"], runs["fsdp"]):
+        for k in ("loss", "grad_norm", "rewards/margins"):
+            assert abs(a[k] - b[k]) < 1e-4, (k, a[k], b[k])
+    weights = [load_file(str(tmp_path / name / "dpo" / "default" / "checkpoints" / "step_000003" / "model.safetensors"))
+               for name in ("one", "fsdp")]
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("loss", ["orpo", "kto"])
 def test_orpo_and_kto_train(tmp_path, tiny_chat, loss):
     rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", loss, "--micro-batch-tokens", "100000")

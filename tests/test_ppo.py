@@ -215,23 +215,24 @@ def test_second_epoch_uses_the_snapshot_ratio():
 # DDP: 2 gloo ranks, uneven lengths and an uneven split, give one rank's actor and critic gradients
 
 def grads_of(prompts, comps, scores):
-    from common import all_reduce_sum, sync_gradients
+    from common import all_reduce_sum, init_dist, wrap_model
+    init_dist("cpu")
     actor, critic, ref = tiny(), tiny("scalar", 1), tiny(seed=2)
     x, y, m, old_logp, old_v, adv, ret = prepare(actor, critic, ref, prompts, comps, scores)
     norm = all_reduce_sum(float(m.sum()))
     old_logp = old_logp - 0.05  # a ratio away from 1, so clipping is exercised
     old_v = old_v + 0.3 * m     # and values away from their snapshot
-    pg, vl, _ = ppo_losses(actor, critic, x, y, m, old_logp=old_logp, old_values=old_v, advantages=adv, returns=ret,
-                           normalizer=norm, value_clip=0.2, entropy_coef=0.01)
+    ddp_actor, ddp_critic = wrap_model(actor), wrap_model(critic)  # DistributedDataParallel under 2 ranks
+    pg, vl, _ = ppo_losses(ddp_actor, ddp_critic, x, y, m, old_logp=old_logp, old_values=old_v,
+                           advantages=adv, returns=ret, normalizer=norm, value_clip=0.2, entropy_coef=0.01)
     (pg + vl).backward()
-    sync_gradients(actor)
-    sync_gradients(critic)
     return [torch.cat([p.grad.flatten() for p in net.parameters()]) for net in (actor, critic)]
 
 
 def _rank(rank, world, init_file, out_dir):
     import torch.distributed as dist
     torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     prompts, comps, scores = synthetic_batch()
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4

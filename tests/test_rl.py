@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from chat_eval import pass_at_k
 from chat_rl import group_advantages, loss_normalizer, overlong_penalty, policy_loss
-from common import micro_batches
+from common import all_reduce_sum, micro_batches
 from rollout import kl_penalty, tis_weights, training_batch
 from engine import Completion
 from model import GPT, GPTConfig
@@ -238,20 +238,21 @@ def synthetic_batch():
 
 
 def grad_of(model, prompts, comps, adv, agg):
+    from common import all_reduce_sum, init_dist, wrap_model
+    init_dist("cpu")
     b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
-    from common import all_reduce_sum
     norm = all_reduce_sum(loss_normalizer(b.mask, agg))
-    old = model(b.inputs, b.targets).detach() - 0.05
-    loss, _ = policy_loss(model(b.inputs, b.targets), old, adv, b.mask, agg=agg, normalizer=norm, max_len=16)
+    ddp = wrap_model(model)  # DistributedDataParallel under 2 ranks, summing gradients
+    old = ddp(b.inputs, b.targets).detach() - 0.05
+    loss, _ = policy_loss(ddp(b.inputs, b.targets), old, adv, b.mask, agg=agg, normalizer=norm, max_len=16)
     loss.backward()
-    from common import sync_gradients
-    sync_gradients(model)
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 def _rank(rank, world, init_file, out_dir, agg):
     import torch.distributed as dist
     torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     prompts, comps, adv = synthetic_batch()
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4
@@ -326,3 +327,60 @@ def test_loop_runs_with_a_reward_model(tmp_path, tiny_chat):
     rows = rl_run(tmp_path, tiny_chat, "--reward", f"rm:{tmp_path / 'rm'}")
     steps = [r for r in rows if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["flat_group_frac"] < 1 for r in steps)
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2: chat_rl's update on 2 gloo ranks (an uneven split: 2 answers and 4, so uneven numbers of forward
+# passes, as dynamic sampling leaves them) equals one process holding the whole batch, for 3 steps
+
+def fsdp_update_run(rank, world, out_dir):
+    import chat_rl
+    from common import init_dist, make_optimizer, wrap_model
+    init_dist("cpu")
+    prompts, comps, adv = synthetic_batch()
+    mine = list(range(len(comps))) if world == 1 else [i for i in range(len(comps)) if (i < 2) == (rank == 0)]
+    model = wrap_model(tiny_policy(), fsdp=True)
+    optimizer = make_optimizer(model, 1e-2)
+    args = chat_rl.parser.parse_args(["--ppo-epochs", "2", "--minibatches", "1", "--micro-batch-tokens", "16",
+                                      "--entropy-coef", "0.01", "--max-new-tokens", "16"])
+    b = training_batch([prompts[comps[i].prompt_index] for i in mine], [comps[i] for i in mine], 0, "cpu")
+    stats = []
+    for step in range(3):
+        with torch.no_grad():
+            old = model(b.inputs, b.targets) - 0.05  # a ratio away from 1, so the clip is exercised
+        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv[mine], ref_logp=None,
+                                       tis=None, step=step, args=args)
+        stats.append((all_reduce_sum(totals["loss"]), totals["grad_norm"]))
+    from common import save_checkpoint
+    save_checkpoint(str(out_dir), 3, model)
+    return stats
+
+
+def _fsdp_rank(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    stats = fsdp_update_run(rank, world, out_dir)
+    torch.save(stats, os.path.join(out_dir, f"stats{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
+    from safetensors.torch import load_file
+    single = fsdp_update_run(0, 1, tmp_path / "one")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, 2, str(tmp_path / "init"), str(tmp_path / "two"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+        assert p.exitcode == 0
+    two = torch.load(tmp_path / "two" / "stats0.pt")
+    for (loss1, norm1), (loss2, norm2) in zip(single, two):  # the gradient norm: AdamW would hide a scale
+        assert abs(loss1 - loss2) < 1e-5 and abs(norm1 - norm2) < 1e-5 * max(1.0, norm1), (single, two)
+    ckpt = "checkpoints/step_000003/model.safetensors"
+    want, got = load_file(str(tmp_path / "one" / ckpt)), load_file(str(tmp_path / "two" / ckpt))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)
