@@ -341,10 +341,11 @@ def peak_memory_mb(device):
 
 
 def check_finite(loss, step):
-    """A NaN/inf loss is caught, never trained on."""
+    """A NaN/inf loss is caught before its backward, never trained on: the run stops with one line naming
+    the step, and the last checkpoint, written before it, is intact."""
     if not torch.isfinite(loss).all():
-        raise FloatingPointError(f"step {step}: loss is {loss.item()}; not training on it. Lower the learning "
-                                 f"rate or check the data (the last checkpoint is intact; --resume restarts there)")
+        raise UserError(f"step {step}: the loss is {loss.item()}; not training on it. Lower the learning rate or "
+                        f"check the data; the last checkpoint is intact and --resume restarts from it")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -379,11 +380,11 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
                      checkpoint_id=os.path.join(tmp, "optimizer"))
         if _DIST.is_main:
             if optimizer is not None and not sharded:
-                torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+                _save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                 json.dump({"step": step, "world_size": _DIST.world_size, **(state or {})}, f, indent=2)
         barrier()
-        torch.save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
+        _save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
         barrier()
         if _DIST.is_main:
             for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename publishes them
@@ -395,14 +396,29 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
             os.rename(tmp, final)
             for old in list_checkpoints(run_path)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-    except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    except Exception as e:
+        if _disk_full(e):
             shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"no room to write the checkpoint {final} ({e.strerror}); the previous checkpoint is "
-                            f"intact: free disk space, then continue with --resume") from None
+            raise UserError(f"no room to write the checkpoint {final} ({e}); the previous checkpoint is intact: "
+                            f"free disk space, then continue with --resume") from None
         raise
     barrier()
     return final
+
+
+def _disk_full(e) -> bool:
+    """Whether a failed checkpoint write means a full disk (or quota, or file-size limit): an OSError, or the
+    same error as torch.save wraps it (its __context__) or as safetensors reports it (in its message)."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    if any(isinstance(err, OSError) and err.errno in codes for err in (e, e.__context__)):
+        return True
+    return any(f"(os error {code})" in str(e) for code in codes)
+
+
+def _save(obj, path):
+    """torch.save through a Python file, so that a full disk surfaces as an OSError."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def list_checkpoints(run_path) -> list[str]:
@@ -453,18 +469,18 @@ def load_training_state(ckpt, optimizer=None, model=None) -> dict:
     saved weights and optimizer with fresh per-rank seeds (its losses will differ from the original's)."""
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         state = json.load(f)
-    if optimizer is not None and model is not None and reshard(model):
+    sharded = model is not None and reshard(model)
+    if optimizer is not None and os.path.isdir(os.path.join(ckpt, "optimizer")):  # saved sharded: any layout now
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-        if not os.path.isdir(os.path.join(ckpt, "optimizer")):
-            raise UserError(f"{ckpt} has no sharded optimizer state (optimizer/): it was saved without --fsdp; "
-                            f"resume without --fsdp")
+        if model is None:
+            raise ValueError("load_training_state needs the model to restore a sharded optimizer")
         osd = get_optimizer_state_dict(unwrap(model), optimizer)
         dcp.load({"optimizer": osd}, checkpoint_id=os.path.join(ckpt, "optimizer"))
         set_optimizer_state_dict(unwrap(model), optimizer, osd)
     elif optimizer is not None:
-        if not os.path.isfile(os.path.join(ckpt, "optimizer.pt")):
-            raise UserError(f"{ckpt} has no optimizer.pt: it was saved with --fsdp; resume with --fsdp")
+        if sharded:
+            raise UserError(f"{ckpt} was saved without --fsdp (optimizer.pt); resume it without --fsdp")
         optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu",
                                              weights_only=False))
     if state.get("world_size", _DIST.world_size) != _DIST.world_size:
@@ -667,7 +683,8 @@ def optimizer_step(model, optimizer, grad_clip):
     if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
         norm = norm.full_tensor()
     if not torch.isfinite(norm):
-        raise FloatingPointError(f"gradient norm is {norm.item()}; not stepping on it. Lower the learning rate")
+        raise UserError(f"the gradient norm is {norm.item()}; not stepping on it. Lower the learning rate; the last "
+                        f"checkpoint is intact and --resume restarts from it")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.item()
