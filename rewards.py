@@ -3,12 +3,17 @@ Graders: who decides what an answer is worth. One home for every reward a sampli
 
 - Verifiers: ordinary code that checks an answer against a ground truth (`verify(name, answer, truth)`):
   `gsm8k` (the one final "#### N" line), `boxed` (the one \\boxed{...}), `json` (a JSON object with the
-  required keys). A malformed ground truth raises ValueError (the RL loader relies on that to check rows
-  up front); an answer never makes a verifier raise.
+  required keys), `code` (the answer's last fenced Python block, run against the row's tests in the
+  sandbox of sandbox.py). A malformed ground truth raises ValueError (`check_ground_truth` checks rows up
+  front, without running anything); an answer never makes a verifier raise, and a sandbox that fails on
+  its own raises SandboxError, so that it is counted as a verifier error and never scored as a pass.
+  `verify_batch` grades a whole batch, code answers in parallel.
 - `answer_text`: what a verifier grades, the reply after any thinking, without the end-of-turn token.
 """
 import json
 import re
+
+import sandbox
 from decimal import Decimal
 from fractions import Fraction
 from typing import Callable
@@ -115,10 +120,83 @@ def _json(completion: str, ground_truth: str) -> float:
     return float(obj is not None and all(k in obj for k in required))
 
 
-VERIFIERS: dict[str, Callable[[str, str], float]] = {"gsm8k": _gsm8k, "boxed": _boxed, "json": _json}
+_FENCED_BLOCK = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.S)
+
+
+def last_python_block(text: str) -> str | None:
+    """The code of the last complete fenced block tagged python, py or python3, or untagged; None if none.
+
+    >>> last_python_block("Try:\n```python\nx = 1\n```\nthen\n```py\ndef f(): return 2\n```")
+    'def f(): return 2\n'
+    """
+    blocks = [code for tag, code in _FENCED_BLOCK.findall(text) if tag.lower() in ("", "python", "py", "python3")]
+    return blocks[-1] if blocks else None
+
+
+# Per run of a program: seconds of wall clock and CPU (all the assert tests, or one stdin/stdout case), memory.
+CODE_LIMITS = {"timeout": 5.0, "memory_mb": 1024}
+
+
+def _code(completion: str, ground_truth: str) -> float:
+    spec = sandbox.parse_ground_truth(ground_truth)  # ValueError for tests that do not parse
+    code = last_python_block(completion)
+    if code is None:
+        return 0.0
+    result = sandbox.run(code, spec, **CODE_LIMITS)
+    if result["status"] == "error":
+        raise sandbox.SandboxError(result["detail"])
+    return float(result["status"] == "pass")
+
+
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"gsm8k": _gsm8k, "boxed": _boxed, "json": _json, "code": _code}
 
 
 def verify(name: str, completion: str, ground_truth: str) -> float:
     if name not in VERIFIERS:
         raise ValueError(f"unknown verifier {name!r}; known: {', '.join(VERIFIERS)}")
     return VERIFIERS[name](completion, ground_truth)
+
+
+def check_ground_truth(name: str, ground_truth: str) -> None:
+    """Raise ValueError if verifier `name` cannot grade against `ground_truth`. Cheap (code tests are parsed,
+    never run): the RL loader calls it on every row, so that a bad row stops the run before training."""
+    if name not in VERIFIERS:
+        raise ValueError(f"unknown verifier {name!r}; known: {', '.join(VERIFIERS)}")
+    if name == "code":
+        sandbox.parse_ground_truth(ground_truth)
+    else:
+        VERIFIERS[name]("", ground_truth)
+
+
+def verify_batch(verifiers: list[str], completions: list[str], ground_truths: list[str],
+                 workers: int | None = None) -> tuple[list[float], list[str | None], dict]:
+    """Grade a batch: answer i by verifiers[i] against ground_truths[i]. Code answers run in parallel sandboxes
+    (`workers` at a time, default the cores per rank); the other verifiers inline. Returns
+      scores  : one float per answer (0 where the verifier raised or the sandbox failed);
+      errors  : per answer, None or the message of a verifier that raised / a sandbox that failed on its own;
+      counts  : the code answers' outcomes, {"pass", "fail", "timeout", "no_code", "error"} -> count.
+    """
+    scores, errors = [0.0] * len(completions), [None] * len(completions)
+    counts = {"pass": 0, "fail": 0, "timeout": 0, "no_code": 0, "error": 0}
+    jobs, job_rows = [], []
+    for i, (name, completion, truth) in enumerate(zip(verifiers, completions, ground_truths, strict=True)):
+        try:
+            if name != "code":
+                scores[i] = verify(name, completion, truth)
+                continue
+            spec, code = sandbox.parse_ground_truth(truth), last_python_block(completion)
+        except Exception as e:  # a verifier that raises scores 0 and is reported, never stops the batch
+            errors[i] = f"{type(e).__name__}: {e}"
+            counts["error"] += name == "code"
+            continue
+        if code is None:
+            counts["no_code"] += 1
+        else:
+            jobs.append((code, spec))
+            job_rows.append(i)
+    for i, result in zip(job_rows, sandbox.run_batch(jobs, workers=workers, **CODE_LIMITS)):
+        counts[result["status"]] += 1
+        if result["status"] == "error":
+            errors[i] = f"SandboxError: {result['detail']}"
+        scores[i] = float(result["status"] == "pass")
+    return scores, errors, counts
