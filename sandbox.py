@@ -132,8 +132,9 @@ def _io_text(value, field: str, i: int) -> str:
 
 
 def parse_ground_truth(ground_truth: str) -> dict:
-    """A code row's ground truth as a run spec: {"tests": python_source} or {"inputs": [...], "outputs": [...]}
-    (a JSON object; a case may be given as a list of lines). Raises ValueError saying what is wrong, without
+    """A code row's ground truth as a run spec: {"tests": python_source, "units": n} (n: the program, each
+    top-level statement and each test_ function, each of which must report) or {"inputs": [...],
+    "outputs": [...]} (a JSON object; a case may be given as a list of lines). Raises ValueError saying what is wrong, without
     starting any process: the RL loader checks every row with it before training."""
     text = ground_truth.strip()
     if text.startswith("{"):
@@ -149,8 +150,8 @@ def parse_ground_truth(ground_truth: str) -> dict:
                              "non-empty lists of the same length")
         return {"inputs": [_io_text(x, "inputs", i) for i, x in enumerate(inputs)],
                 "outputs": [_io_text(x, "outputs", i) for i, x in enumerate(outputs)]}
-    parse_tests(ground_truth)
-    return {"tests": ground_truth}
+    tree, functions = parse_tests(ground_truth)
+    return {"tests": ground_truth, "units": 1 + len(tree.body) + len(functions)}
 
 
 def normalize_output(text: str) -> str:
@@ -415,18 +416,13 @@ def _exception_text(e) -> str:
     return f"{t.__name__}: {e}"[:300] if _is_c_type(t) else f"{t.__name__} (raised by the program)"
 
 
-def _assert_tests(code: str, tests: str, record):
-    """The runner of assert-style tests (a forked child): units in order, one record each, then os._exit."""
+def _assert_tests(code: str, tree: ast.Module, statements: list, functions: list[str], record):
+    """The runner of assert-style tests (a forked child): each unit in order, one record each, then os._exit.
+    Units: the program (0), each top-level statement of the tests, each test_ function."""
     import builtins
     _exit, _base_exception = os._exit, BaseException
-    try:
-        tree, functions = parse_tests(tests)
-        statements = [compile(ast.Module([s], []), "tests.py", "exec", dont_inherit=True, optimize=0) for s in tree.body]
-        helpers, passed = strict_helpers()
-        private_builtins = dict(builtins.__dict__)  # taken before the program runs
-    except _base_exception as e:
-        record("error", 0, f"sandbox test setup: {type(e).__name__}: {e}".encode())
-        _exit(0)
+    helpers, passed = strict_helpers()
+    private_builtins = dict(builtins.__dict__)  # taken before the program runs
     solution = type(sys)("solution")
     sys.modules["solution"] = solution
     try:
@@ -436,30 +432,25 @@ def _assert_tests(code: str, tests: str, record):
         _exit(0)
     record("ok", 0)
     namespace = {**solution.__dict__, "__name__": "__main__", "__builtins__": private_builtins, **helpers}
-    unit = 1
-    for stmt, compiled in zip(tree.body, statements):
+    units = [(f"tests.py line {stmt.lineno}", lambda c=compiled: exec(c, namespace))
+             for stmt, compiled in zip(tree.body, statements)]
+    units += [(name, lambda name=name: namespace[name]()) for name in functions]
+    for index, (where, run_unit) in enumerate(units, 1):
         try:
-            exec(compiled, namespace)
+            run_unit()
         except _base_exception as e:
-            record("fail", unit, f"tests.py line {stmt.lineno}: {_exception_text(e)}".encode())
+            record("fail", index, f"{where}: {_exception_text(e)}".encode())
             _exit(0)
-        record("ok", unit)
-        unit += 1
-    for name in functions:
-        try:
-            namespace[name]()
-        except _base_exception as e:
-            record("fail", unit, f"{name}: {_exception_text(e)}".encode())
-            _exit(0)
-        record("ok", unit)
-        unit += 1
-    record("done", unit, str(passed[0]).encode())
+        record("ok", index)
+    record("done", len(units) + 1, str(passed[0]).encode())
     _exit(0)
 
 
-def _io_case(code_obj, stdin_fd: int, stdout_fd: int):
-    """One stdin/stdout run of the program (a forked child): exit 0 if it ended normally."""
+def _io_case(code_obj, stdin_fd: int, stdout_fd: int, channel_fd: int):
+    """One stdin/stdout run of the program (a forked child): exit 0 if it ended normally. It never sees
+    the channel: its output reaches the parent through pid 1, and the expected output never enters here."""
     import builtins
+    os.close(channel_fd)
     os.dup2(stdin_fd, 0)
     os.dup2(stdout_fd, 1)
     sys.stdin = open(0, encoding="utf-8", closefd=False)
@@ -478,20 +469,19 @@ def _io_case(code_obj, stdin_fd: int, stdout_fd: int):
     os._exit(status)
 
 
-def _anonymous_file(directory: str, content: bytes = b"") -> int:
+def _anonymous_file() -> int:
     """An open file with no name left in the directory (the program cannot find or replace it)."""
-    path = os.path.join(directory, f".io-{os.urandom(8).hex()}")
+    path = f".io-{os.urandom(8).hex()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     os.unlink(path)
-    os.write(fd, content)
-    os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
 
 def _child_main(job_path: str):
+    """The harness: `python -I -S -B sandbox.py JOB`, started by run() in the program's empty directory."""
     with open(job_path, "rb") as f:
         job = json.loads(f.read())
-    fd, token, limits = job["fd"], job["token"].encode(), job["limits"]
+    fd, token, limits, timeout = job["fd"], job["token"].encode(), job["limits"], job["timeout"]
     _write = os.write
 
     def record(kind: str, index: int = 0, payload: bytes = b""):
@@ -501,16 +491,16 @@ def _child_main(job_path: str):
 
     try:
         root = job["uid"] is not None
-        # RLIMIT_NPROC counts every process of the uid: a fresh uid under root; the user's own otherwise
+        isolation = {"uid": job["uid"] if root else os.getuid(), "dropped_privileges": root, "stdlib_preloaded": False}
+        # RLIMIT_NPROC counts every process of the uid: a fresh uid under root, the user's own otherwise
         processes = limits["processes"] + (0 if root else _tasks_of(os.getuid()))
-        isolation = _isolate(root)
+        isolation.update(_isolate(root))
         pid = os.fork()
-        if pid:  # the supervisor, outside the pid namespace: waits, so the parent's process group holds both
+        if pid:  # the supervisor, outside the pid namespace, waits: the parent's process group holds both
             os.close(fd)
             os.waitpid(pid, 0)
             os._exit(0)
         # pid 1 of the new namespace (or a plain child where there is none)
-        isolation["stdlib_preloaded"] = False
         if root:
             if not _readable_by_anyone(os.path.dirname(os.__file__)):
                 for name in _imported_modules(job["code"] + "\n" + job.get("tests", "")):
@@ -521,7 +511,6 @@ def _child_main(job_path: str):
                             pass
                 isolation["stdlib_preloaded"] = True
             _drop_privileges(job["uid"])
-        isolation["uid"] = os.getuid()
         _set_limit(resource.RLIMIT_NPROC, processes)
         _set_limit(resource.RLIMIT_FSIZE, limits["file_size_mb"] << 20)
         _set_limit(resource.RLIMIT_NOFILE, 256)
@@ -529,8 +518,11 @@ def _child_main(job_path: str):
         import builtins
         builtins.exit = builtins.quit = sys.exit  # what `site` would add (-S leaves them out); programs call exit()
         if "tests" in job:
-            parse_tests(job["tests"])  # fail here, before `ready`, if our own parse breaks
+            tree, functions = parse_tests(job["tests"])
+            statements = [compile(ast.Module([s], []), "tests.py", "exec", dont_inherit=True, optimize=0)
+                          for s in tree.body]
         else:
+            stdin_fd, stdout_fd = _anonymous_file(), _anonymous_file()
             try:
                 code_obj = compile(job["code"], "solution.py", "exec", dont_inherit=True, optimize=0)
             except (SyntaxError, ValueError):
@@ -541,7 +533,7 @@ def _child_main(job_path: str):
     record("ready", 0, json.dumps(isolation).encode())
 
     if "tests" in job:
-        status = _run_forked(lambda: _assert_tests(job["code"], job["tests"], record), job["timeout"], limits)
+        status = _run_forked(lambda: _assert_tests(job["code"], tree, statements, functions, record), timeout, limits)
         if status is None or not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
             record("timeout" if status is None else "crash", 0, _describe(status))
         os._exit(0)
@@ -549,14 +541,16 @@ def _child_main(job_path: str):
         record("crash", 0, b"the program does not compile")
         os._exit(0)
     for i, text in enumerate(job["inputs"]):
-        stdin_fd, stdout_fd = _anonymous_file(".", text.encode()), _anonymous_file(".")
-        status = _run_forked(lambda: _io_case(code_obj, stdin_fd, stdout_fd), job["timeout"], limits)
+        for f in (stdin_fd, stdout_fd):
+            os.ftruncate(f, 0)
+        os.pwrite(stdin_fd, text.encode(), 0)
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        os.lseek(stdout_fd, 0, os.SEEK_SET)
+        status = _run_forked(lambda: _io_case(code_obj, stdin_fd, stdout_fd, fd), timeout, limits)
         if status is None or not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0):
             record("timeout" if status is None else "crash", i, _describe(status))
         else:
             record("out", i, os.pread(stdout_fd, limits["file_size_mb"] << 20, 0))
-        os.close(stdin_fd)
-        os.close(stdout_fd)
     os._exit(0)
 
 
@@ -603,53 +597,49 @@ def _records(fd: int, token: bytes, deadline: float, max_bytes: int):
         buf += chunk
 
 
-def _verdict(spec: dict, records, units: int) -> dict:
-    """Read records until the verdict is decided. units: how many `ok` records an assert-style run owes."""
-    expected_ok, ready = 0, None
+def _verdict(spec: dict, records) -> dict:
+    """Read the channel until the verdict is decided. Before `ready` nothing of the program has run, so
+    whatever goes wrong is ours ("error"); after it, anything but the complete record of a pass is a fail."""
+    for kind, index, payload in records:
+        if kind == "ready":
+            isolation = json.loads(payload)
+            break
+        if kind == "error":
+            return {"status": "error", "detail": payload.decode("utf-8", "replace")}
+        return {"status": "error", "detail": f"the sandbox ended before it was ready ({kind})"}
+    else:
+        return {"status": "error", "detail": "the sandbox ended before it was ready"}
+
+    def verdict(status, detail):
+        return {"status": status, "detail": detail, "isolation": isolation}
+
+    io = "inputs" in spec
+    owed = len(spec["inputs"]) if io else spec["units"]  # `out` records (one per case), or `ok` records (one per unit)
+    reported = 0
     for kind, index, payload in records:
         text = payload.decode("utf-8", "replace")
-        if ready is None:
-            if kind == "ready":
-                ready = json.loads(text)
-                continue
-            if kind == "error":
-                return {"status": "error", "detail": text}
-            if kind == "deadline":
-                return {"status": "error", "detail": "the sandbox did not start in time"}
-            return {"status": "error", "detail": f"the sandbox ended before it was ready ({kind} {text})"}
-        result = {"isolation": ready}
-        if kind == "timeout" or kind == "deadline":
-            return {**result, "status": "timeout", "detail": f"run {index} timed out"}
-        if kind == "crash":
-            return {**result, "status": "fail", "detail": f"run {index}: {text}"}
-        if kind == "fail":
-            return {**result, "status": "fail", "detail": text}
+        if kind in ("timeout", "deadline"):
+            return verdict("timeout", f"run {index} timed out")
+        if kind in ("fail", "crash"):
+            return verdict("fail", f"run {index}: {text}" if kind == "crash" else text)
         if kind == "error":
-            return {**result, "status": "error", "detail": text}
+            return verdict("error", text)
         if kind == "garbled":
-            return {**result, "status": "fail", "detail": f"a garbled record on the channel: {text[:100]!r}"}
+            return verdict("fail", f"a garbled record on the channel: {text[:100]!r}")
         if kind == "eof":
-            done = f"{expected_ok} of {units} units" if "tests" in spec else f"{expected_ok} of {len(spec['inputs'])} cases"
-            return {**result, "status": "fail", "detail": f"the program ended before the tests did ({done} reported)"}
-        if index != expected_ok:
-            return {**result, "status": "fail", "detail": f"record {kind} {index} out of order"}
-        if "tests" in spec:
-            if kind == "ok":
-                expected_ok += 1
-                continue
-            if kind == "done" and expected_ok == units:
-                if int(text or 0) < 1:
-                    return {**result, "status": "fail", "detail": "the tests ran no assert (is check() called?)"}
-                return {**result, "status": "pass", "detail": f"{units} units passed"}
-            return {**result, "status": "fail", "detail": f"unexpected record {kind} {index}"}
-        if kind != "out":
-            return {**result, "status": "fail", "detail": f"unexpected record {kind} {index}"}
-        if normalize_output(text) != normalize_output(spec["outputs"][index]):
-            return {**result, "status": "fail", "detail": f"case {index}: wrong output"}
-        expected_ok += 1
-        if expected_ok == len(spec["inputs"]):
-            return {**result, "status": "pass", "detail": f"{expected_ok} cases passed"}
-    return {"status": "error", "detail": "no record"}
+            return verdict("fail", f"the program ended before the tests did ({reported} of {owed} reported)")
+        if index != reported or kind != ("out" if io else "done" if reported == owed else "ok"):
+            return verdict("fail", f"unexpected record {kind} {index} after {reported} of {owed}")
+        if kind == "out" and normalize_output(text) != normalize_output(spec["outputs"][index]):
+            return verdict("fail", f"case {index}: wrong output")
+        if kind == "done":
+            if not text.isdigit() or int(text) < 1:
+                return verdict("fail", "the tests ran no assert (is check() called?)")
+            return verdict("pass", f"{owed} units passed")
+        reported += 1
+        if io and reported == owed:
+            return verdict("pass", f"{owed} cases passed")
+    return verdict("fail", "the channel closed")
 
 
 def run(code: str, spec: dict, *, timeout: float = 5.0, memory_mb: int = 1024, file_size_mb: int = 16,
@@ -661,10 +651,6 @@ def run(code: str, spec: dict, *, timeout: float = 5.0, memory_mb: int = 1024, f
     import shutil
     import subprocess
     import tempfile
-    units = 0
-    if "tests" in spec:
-        tree, functions = parse_tests(spec["tests"])
-        units = 1 + len(tree.body) + len(functions)  # the program, each top-level statement, each test_ function
     runs = 1 if "tests" in spec else len(spec["inputs"])
     token = secrets.token_hex(16)
     uid = 1_048_576 + secrets.randbelow(1 << 20) if os.geteuid() == 0 else None
@@ -693,7 +679,7 @@ def run(code: str, spec: dict, *, timeout: float = 5.0, memory_mb: int = 1024, f
         finally:
             os.close(write_fd)
         deadline = time.monotonic() + startup_timeout + runs * (timeout + 1.0)
-        result = _verdict(spec, _records(read_fd, token.encode(), deadline, (file_size_mb << 20) + 4096), units)
+        result = _verdict(spec, _records(read_fd, token.encode(), deadline, (file_size_mb << 20) + 4096))
     finally:
         if proc is not None:
             try:

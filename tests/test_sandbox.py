@@ -181,7 +181,7 @@ def test_10gb_would_pass_without_the_memory_limit():
     # an anonymous mapping is lazy (no page is touched), so only the address-space limit makes it fail
     program = "import mmap\ndef add(a, b):\n    memory = mmap.mmap(-1, 10 * 2**30)\n    return a + b\n"
     assert verify("code", answer(program), SIMPLE) == 0.0
-    assert rewards.sandbox.run(program, {"tests": SIMPLE}, timeout=5.0, memory_mb=16 << 10)["status"] == "pass"
+    assert rewards.sandbox.run(program, sandbox.parse_ground_truth(SIMPLE), timeout=5.0, memory_mb=16 << 10)["status"] == "pass"
 
 
 def test_stdin_stdout_hacks_score_0():
@@ -206,7 +206,7 @@ def test_fork_bomb_scores_0_and_leaves_no_process():
     program = ("import os\ndef add(a, b):\n    while True:\n        try:\n            os.fork()\n"
                "        except OSError:\n            pass\n")
     start = time.time()
-    result = sandbox.run(program, {"tests": SIMPLE}, timeout=1.0, memory_mb=512)
+    result = sandbox.run(program, sandbox.parse_ground_truth(SIMPLE), timeout=1.0, memory_mb=512)
     assert result["status"] in ("timeout", "fail") and time.time() - start < 10
     uid = result["isolation"]["uid"]
     deadline = time.time() + 5
@@ -243,7 +243,7 @@ def test_no_network():
     port = server.getsockname()[1]
     program = (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'hi')\n" + HONEST)
     try:
-        result = sandbox.run(program, {"tests": SIMPLE}, timeout=3.0)
+        result = sandbox.run(program, sandbox.parse_ground_truth(SIMPLE), timeout=3.0)
         if not result["isolation"]["network"]:
             pytest.skip("no network namespace on this kernel: the README says what remains")
         assert result["status"] == "fail"
@@ -252,7 +252,7 @@ def test_no_network():
     finally:
         server.close()
     # the same program without the connection passes: the socket module is there, the network is not
-    assert sandbox.run("import socket\nsocket.socket().close()\n" + HONEST, {"tests": SIMPLE})["status"] == "pass"
+    assert sandbox.run("import socket\nsocket.socket().close()\n" + HONEST, sandbox.parse_ground_truth(SIMPLE))["status"] == "pass"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,6 +289,12 @@ def test_strict_equality_table():
 
 # ------------------------------------------------------------------------------------------------
 # Our own failures, rows and loaders
+
+def test_tests_that_run_no_assert_pass_nothing():
+    never_called = "def check(candidate):\n    assert candidate(2, 3) == 5\n"  # HumanEval's test without check(add)
+    assert verify("code", answer(HONEST), never_called) == 0.0
+    assert verify("code", answer(HONEST), never_called + "check(add)\n") == 1.0
+
 
 def test_a_sandbox_failure_is_an_error_never_a_pass(monkeypatch):
     for broken in ("/nonexistent/python", shutil.which("false")):
