@@ -52,9 +52,10 @@ What it defends against, and what remains:
   network (`run` reports it in result["isolation"] and says so once on stderr), and a process that leaves
   the process group (setsid) and sleeps outlives the run.
 - Not root: the limits hold as designed (they are set hard, so they cannot be raised again), but the
-  program runs as the user: with a user namespace it has no network and cannot signal the user's
-  processes; without one, it can reach the network, signal (kill) the user's other processes and read or
-  delete the user's files. Use a dedicated user or a container for untrusted models there.
+  program runs as the user, so it can read and delete the user's files. Inside a user namespace (where the
+  kernel allows one) it has no network and cannot signal the user's other processes; without one it can
+  do both. Use a dedicated user or a container for untrusted models there.
+- Under root too, the program can read whatever any user may read (world-readable files).
 - Under root, if the unprivileged uid cannot read the Python installation (pyenv under a mode-700 /root),
   the harness imports the usual standard modules before it drops privileges (PRELOAD); others cannot be
   imported by the program.
@@ -213,11 +214,12 @@ def strict_helpers() -> tuple[dict, list]:
     {"a": [AlwaysEqual()]} vs {"a": [5]} -> not.
     """
     import operator
-    _type, _len, _zip, _all, _any, _iter, _bool = type, len, zip, all, any, iter, bool
+    _type, _len, _zip, _all, _any, _iter, _bool, _id = type, len, zip, all, any, iter, bool, id
     _isinstance, _object_getattr, is_c_type = isinstance, object.__getattribute__, _is_c_type
     orderings = {"<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge}
-    scalars = (int, float, complex, bool, str, bytes, type(None))
-    numbers = (int, float)
+    # membership by identity: `t in (int, ...)` would ask a metaclass's __eq__
+    scalars = {id(t) for t in (int, float, complex, bool, str, bytes, type(None))}
+    numbers = {id(int), id(float)}
     bases = {dict: dict.copy, list: list.copy, tuple: lambda t: tuple.__getitem__(t, slice(None)),
              set: set.copy, frozenset: frozenset.copy, int: int.__int__, float: float.__float__,
              complex: complex.__complex__, str: str.__str__, bytes: bytes.__bytes__}
@@ -225,7 +227,7 @@ def strict_helpers() -> tuple[dict, list]:
 
     def builtin(v):  # a value of a built-in type, containers checked all the way down
         t = _type(v)
-        if t in scalars:
+        if _id(t) in scalars:
             return True
         if t is list or t is tuple or t is set or t is frozenset:
             return _all(builtin(x) for x in v)
@@ -242,8 +244,8 @@ def strict_helpers() -> tuple[dict, list]:
     def equal(a, b):
         ta, tb = _type(a), _type(b)
         if ta is not tb:
-            return ta in numbers and tb in numbers and a == b
-        if ta in scalars:
+            return _id(ta) in numbers and _id(tb) in numbers and a == b
+        if _id(ta) in scalars:
             return a == b
         if ta is list or ta is tuple:
             return _len(a) == _len(b) and _all(equal(x, y) for x, y in _zip(a, b))
@@ -310,13 +312,13 @@ def _isolate(root: bool) -> dict:
     """New network and pid namespaces where the kernel allows them (for a non-root user, inside a new user
     namespace). Returns what was obtained."""
     if not sys.platform.startswith("linux"):
-        return {"network": False, "pid_namespace": False}
+        return {"network_namespace": False, "pid_namespace": False}
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
     user = 0 if root else CLONE_NEWUSER
     if libc.unshare(user | CLONE_NEWNET | CLONE_NEWPID) == 0:
-        return {"network": True, "pid_namespace": True}
-    return {"network": libc.unshare(user | CLONE_NEWNET) == 0, "pid_namespace": False}
+        return {"network_namespace": True, "pid_namespace": True}
+    return {"network_namespace": libc.unshare(user | CLONE_NEWNET) == 0, "pid_namespace": False}
 
 
 def _readable_by_anyone(directory: str) -> bool:
@@ -557,9 +559,6 @@ def _child_main(job_path: str):
 # ------------------------------------------------------------------------------------------------
 # The parent
 
-_warned = set()
-
-
 def _records(fd: int, token: bytes, deadline: float, max_bytes: int):
     """Yield (kind, index, payload) from the channel; ("garbled", ...) for anything without this run's token
     or malformed; ("eof", ...) when every writer has closed it; ("deadline", ...) when time is up."""
@@ -642,59 +641,76 @@ def _verdict(spec: dict, records) -> dict:
     return verdict("fail", "the channel closed")
 
 
+def _sandbox_uid(work: str) -> int | None:
+    """Under root: a fresh uid for this run, made owner of its directory (nobody, 65534, where the user
+    namespace maps no such uid, as in rootless containers). None when not root: no uid to drop to."""
+    import secrets
+    if os.geteuid() != 0:
+        return None
+    try:
+        uid = 1_048_576 + secrets.randbelow(1 << 20)
+        os.chown(work, uid, uid)
+    except OSError:
+        uid = 65534
+        os.chown(work, uid, uid)
+    return uid
+
+
+_LOST = {"network_namespace": "programs under test can reach the network",
+         "pid_namespace": "processes a program leaves behind can outlive its run"}
+_warned = set()
+
+
 def run(code: str, spec: dict, *, timeout: float = 5.0, memory_mb: int = 1024, file_size_mb: int = 16,
         processes: int = 32, startup_timeout: float = 30.0) -> dict:
     """Run `code` against a spec from parse_ground_truth in a fresh sandbox. `timeout` is in seconds of wall
     clock (and of CPU) per run of the program: the whole assert-style test file, or one input.
-    Returns {"status": "pass"|"fail"|"timeout"|"error", "detail": str, "isolation": {...}}."""
+    Returns {"status": "pass"|"fail"|"timeout"|"error", "detail": str, "isolation": {...}}; "error" is a
+    failure of the sandbox itself (it could not start, or ended before the program ran)."""
     import secrets
     import shutil
     import subprocess
     import tempfile
-    runs = 1 if "tests" in spec else len(spec["inputs"])
     token = secrets.token_hex(16)
-    uid = 1_048_576 + secrets.randbelow(1 << 20) if os.geteuid() == 0 else None
     home = tempfile.mkdtemp(prefix="nanopost-sandbox-")  # mode 700: the job file is the parent's alone
-    work = os.path.join(home, "work")
-    os.mkdir(work, 0o700)
-    if uid is not None:
-        os.chown(work, uid, uid)
     read_fd, write_fd = os.pipe()
-    limits = {"memory_mb": memory_mb, "file_size_mb": file_size_mb, "processes": processes}
-    job = {"fd": write_fd, "token": token, "uid": uid, "timeout": timeout, "limits": limits, "code": code, **spec}
-    job.pop("outputs", None)  # the expected outputs never enter the sandbox
-    job_path = os.path.join(home, "job.json")
-    with open(job_path, "w") as f:
-        json.dump(job, f)
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work,
-           "OMP_NUM_THREADS": "1"}
     proc = None
     try:
-        try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), job_path],
-                                    cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, pass_fds=(write_fd,), start_new_session=True)
-        except OSError as e:
-            return {"status": "error", "detail": f"could not start the sandbox: {e}"}
-        finally:
-            os.close(write_fd)
+        work = os.path.join(home, "work")
+        os.mkdir(work, 0o700)
+        limits = {"memory_mb": memory_mb, "file_size_mb": file_size_mb, "processes": processes}
+        job = {"fd": write_fd, "token": token, "uid": _sandbox_uid(work), "timeout": timeout, "limits": limits,
+               "code": code, **{k: v for k, v in spec.items() if k != "outputs"}}  # expected outputs stay here
+        job_path = os.path.join(home, "job.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": work, "TMPDIR": work,
+               "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-B", os.path.abspath(__file__), job_path],
+                                cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, pass_fds=(write_fd,), start_new_session=True)
+        os.close(write_fd)
+        write_fd = None
+        runs = 1 if "tests" in spec else len(spec["inputs"])
         deadline = time.monotonic() + startup_timeout + runs * (timeout + 1.0)
         result = _verdict(spec, _records(read_fd, token.encode(), deadline, (file_size_mb << 20) + 4096))
+    except OSError as e:
+        result = {"status": "error", "detail": f"the sandbox could not start: {e}"}
     finally:
         if proc is not None:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole session: supervisor, pid 1, the program's own
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
-        os.close(read_fd)
+        for fd in (read_fd, write_fd):
+            if fd is not None:
+                os.close(fd)
         shutil.rmtree(home, ignore_errors=True)
-    missing = [k for k in ("network", "pid_namespace") if not result.get("isolation", {}).get(k, True)]
-    if missing and tuple(missing) not in _warned:
-        _warned.add(tuple(missing))
-        print(f"sandbox: no {' and no '.join(m.replace('_', ' ') for m in missing)} isolation here (the kernel "
-              f"refused unshare); programs under test keep {'the network' if 'network' in missing else 'it'}",
-              file=sys.stderr)
+    for key, consequence in _LOST.items():
+        if result.get("isolation", {}).get(key) is False and key not in _warned:
+            _warned.add(key)
+            print(f"sandbox: the kernel refused a new {key.replace('_', ' ')} here: {consequence}", file=sys.stderr)
     return result
 
 

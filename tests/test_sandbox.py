@@ -244,7 +244,7 @@ def test_no_network():
     program = (f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'hi')\n" + HONEST)
     try:
         result = sandbox.run(program, sandbox.parse_ground_truth(SIMPLE), timeout=3.0)
-        if not result["isolation"]["network"]:
+        if not result["isolation"]["network_namespace"]:
             pytest.skip("no network namespace on this kernel: the README says what remains")
         assert result["status"] == "fail"
         with pytest.raises(socket.timeout):
@@ -268,13 +268,23 @@ def test_strict_equality_table():
             return True
         __hash__ = int.__hash__
 
+    class Meta(type):  # a type that claims to be int when asked with ==
+        def __eq__(cls, other):
+            return True
+        def __hash__(cls):
+            return hash(int)
+
+    class M(metaclass=Meta):
+        def __eq__(self, other):
+            return True
+
     Point = namedtuple("Point", "x y")
     same = [(1, 1), (2, 2.0), ([1, (2, "a")], [1, (2, "a")]), ({"a": {1, 2}}, {"a": {2, 1}}), (None, None),
             (Counter("aab"), Counter("aba")), (Point(1, 2), Point(1, 2)), (OrderedDict(a=1), OrderedDict(a=1)),
             (float("inf"), float("inf"))]
     different = [(1, True), ([1], (1,)), ({"a": 1}, {"a": 1, "b": 2}), (E(3), 5), (5, E(3)), ([E(3)], [5]),
                  ({"k": E(3)}, {"k": 5}), ({E(3): 1}, {5: 1}), (Counter("aab"), {"a": 2, "b": 1}),
-                 (Point(1, 2), (1, 2)), (float("nan"), float("nan"))]
+                 (Point(1, 2), (1, 2)), (float("nan"), float("nan")), (M(), 5), ([M()], [5])]
     for a, b in same:
         assert a == b and compare(("==",), a, b) and compare(("==",), b, a) and not compare(("!=",), a, b)
     for a, b in different:
