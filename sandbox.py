@@ -346,7 +346,7 @@ def _tasks_of(uid: int) -> int:
 
 
 def _imported_modules(source: str) -> list[str]:
-    """The modules `import` statements name in source (which may not parse: then in its parsable part)."""
+    """The modules the `import` statements of source name (none when it does not parse)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -385,8 +385,9 @@ def _run_forked(target, timeout: float, limits: dict):
     pid = os.fork()
     if pid == 0:
         try:
-            cpu = max(1, int(timeout + 0.999))
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
+            cpu, hard = max(1, int(timeout + 0.999)), resource.getrlimit(resource.RLIMIT_CPU)[1]
+            cpu_limits = (cpu, cpu + 1) if hard == resource.RLIM_INFINITY else (min(cpu, hard), hard)
+            resource.setrlimit(resource.RLIMIT_CPU, cpu_limits)  # SIGXCPU, then SIGKILL a second later
             _set_limit(resource.RLIMIT_AS, limits["memory_mb"] << 20)
             target()
         finally:
