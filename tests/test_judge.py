@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import common
+import rewards
 from common import UserError
 from model import GPT, GPTConfig
 from rewards import Rubric, judge_messages, judge_scores, load_judge, load_rubric, parse_verdict
@@ -135,7 +136,7 @@ def test_load_judge_is_frozen_in_the_compute_dtype(tok, tmp_path, monkeypatch):
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert {p.dtype for p in model.parameters()} == {common.compute_dtype("cpu")}
     assert judge_tok.vocab_size == tok.vocab_size
-    monkeypatch.setattr(common, "compute_dtype", lambda device: torch.bfloat16)  # as on a GPU
+    monkeypatch.setattr(rewards, "compute_dtype", lambda device: torch.bfloat16)  # as on a GPU
     model, _ = load_judge(str(tmp_path / "judge"), "cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     with pytest.raises(UserError, match="judge"):
