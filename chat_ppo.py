@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
+from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
                     global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer,
                     micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, print_config,
                     progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
@@ -67,7 +67,8 @@ parser.add_argument("--tools", action="store_true", help="offer the calculator: 
 parser.add_argument("--max-tool-turns", type=int, default=4)
 # rewards
 parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
-                    "format, rm:PATH; e.g. verifier+0.1*format (see rewards.py)")
+                    "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
+parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
 parser.add_argument("--truncated-reward", type=float, default=None, help="score of an answer cut at the length limit, instead of its grade (e.g. -1 with an RM)")
 parser.add_argument("--kl-beta", type=float, default=0.05, help="weight of the per-token KL penalty in the reward")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k1", help="KL estimator in the reward (k1: unbiased log-ratio)")
@@ -289,7 +290,7 @@ def main():
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp), fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
-    grader = Grader(args.reward, tok, device)  # a reward model among the graders stays whole on every rank
+    grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
     use_kl = args.kl_beta > 0 or args.kl_target is not None
     ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False) if use_kl else None
@@ -434,13 +435,14 @@ def main():
 
         # 6. log (every number summed over ranks) and stop when the time budget is spent
         train_clock += time.time() - t_step
-        s = {k: all_reduce_sum(v) for k, v in rollouts.stats().items()}
+        s = all_reduce_dict(rollouts.stats())  # the same names on every rank: one collective
         n_tok = max(1.0, all_reduce_sum(float(mask.sum())))
         n_passes = max(1.0, all_reduce_sum(st["tokens"]))
         metrics = {
             "reward": all_reduce_sum(float(scores.sum())) / n_ans,               # the score, before the KL penalty
             "accuracy": s["correct"] / n_ans,
             **{k: v / n_ans for k, v in s.items() if k.startswith("reward/")},
+            **{k: v for k, v in s.items() if k.startswith("count/")},
             "kl": all_reduce_sum(float(kl.sum())) / n_tok,                       # per token (k-estimator of --kl-kind)
             "kl_per_answer": kl_per_answer,
             "kl_beta": kl_beta,

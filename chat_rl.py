@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
+from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
                     global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer,
                     micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, print_config,
                     progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
@@ -66,7 +66,8 @@ parser.add_argument("--tools", action="store_true", help="offer the calculator: 
 parser.add_argument("--max-tool-turns", type=int, default=4)
 # rewards
 parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
-                    "format, rm:PATH; e.g. verifier+0.1*format (see rewards.py)")
+                    "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
+parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
 parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens before the limit (0: off)")
 parser.add_argument("--overlong-penalty", type=float, default=1.0, help="the penalty at the limit")
 # advantages and loss
@@ -348,7 +349,7 @@ def main():
     ref_model = None
     if args.kl_beta > 0:  # the frozen start, in the compute dtype; with beta = 0 it is not even loaded
         ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
-    grader = Grader(args.reward, tok, device)  # a reward model among the graders stays whole on every rank
+    grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     G = args.group_size
@@ -423,13 +424,14 @@ def main():
         train_clock += time.time() - t_step
 
         # 4. log: every number summed over ranks, then divided by its global count
-        s = {k: all_reduce_sum(v) for k, v in rollouts.stats().items()}
+        s = all_reduce_dict(rollouts.stats())  # the same names on every rank: one collective
         n_ans, n_tok = s["answers"], max(1.0, all_reduce_sum(float(mask.sum())))
         n_tok_updates = max(1.0, all_reduce_sum(totals["tokens"]))
         metrics = {
             "reward": s["reward_sum"] / n_ans,
             "accuracy": s["correct"] / n_ans,
             **{k: v / n_ans for k, v in s.items() if k.startswith("reward/")},
+            **{k: v for k, v in s.items() if k.startswith("count/")},
             "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
             "clip_frac": all_reduce_sum(totals["clip_frac"]) / n_tok_updates,
             "ratio_mean": all_reduce_sum(totals["ratio"]) / n_tok_updates,

@@ -357,10 +357,7 @@ def load_judge(path: str, device="cpu"):
     checkpoint) and its tokenizer. Frozen: eval mode, no gradients, in common.compute_dtype(device)."""
     from model import GPT
     from tokenizer import Tokenizer
-    try:
-        path = resolve_model_path(path)
-    except FileNotFoundError as e:
-        raise UserError(f"judge: {e}") from None
+    path = resolve_model_path(path)
     model = GPT.from_hf(path, device=device, dtype=compute_dtype(device))
     if model.config.head != "lm":
         raise UserError(f"judge: {path} is a reward model (a score head), not a chat model")
@@ -370,19 +367,20 @@ def load_judge(path: str, device="cpu"):
 # -----------------------------------------------------------------------------
 # --reward: a weighted sum of graders, graded a batch at a time
 
-_TERM = re.compile(r"^(?:([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*\*\s*)?(verifier|format|rm:.+)$")
+_TERM = re.compile(r"^(?:([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*\*\s*)?(verifier|format|rm:.+|judge:.+)$")
 
 
 def parse_reward(spec: str) -> list[tuple[float, str]]:
     """'verifier+0.1*format' -> [(1.0, 'verifier'), (0.1, 'format')]. Terms are joined by '+', each an
     optional weight and '*' before a grader: `verifier` (the row's verifier, 0 or 1), `format` (1 when the
-    answer is in the verifier's format), `rm:PATH` (a reward model's score). A negative weight penalizes."""
+    answer is in the verifier's format), `rm:PATH` (a reward model's score), `judge:PATH` (a chat model's
+    verdict against --rubric, in [0, 1]). A negative weight penalizes."""
     terms = []
     for part in spec.split("+"):
         m = _TERM.match(part.strip())
         if not m:
             raise UserError(f"--reward {spec!r}: cannot read {part.strip()!r}; terms are [WEIGHT*]GRADER joined by "
-                            f"'+', a grader being verifier, format or rm:PATH (e.g. verifier+0.1*format)")
+                            f"'+', a grader being verifier, format, rm:PATH or judge:PATH (e.g. verifier+0.1*format)")
         terms.append((float(m.group(1)) if m.group(1) else 1.0, m.group(2)))
     names = [name for _, name in terms]
     if len(set(names)) != len(names):
@@ -394,16 +392,24 @@ def parse_reward(spec: str) -> list[tuple[float, str]]:
 class Grades:
     total: torch.Tensor                                 # (N,) the weighted sum: the reward
     parts: dict[str, torch.Tensor] = field(default_factory=dict)  # (N,) each grader's own score
-    errors: list[str] = field(default_factory=list)     # verifiers that raised (scored 0, never a crash)
+    errors: list[str] = field(default_factory=list)     # verifiers that raised, sandboxes that failed (scored 0)
+    counts: dict[str, float] = field(default_factory=dict)  # code outcomes, judge verdicts missing, ...
 
 
 class Grader:
-    """Grades a batch of answers with the --reward spec. Reward models are loaded once, frozen."""
+    """Grades a batch of answers with the --reward spec, in one call: every verifier of the batch (code in
+    parallel sandboxes), each reward model in one batched pass, each judge in one batched generation.
+    Reward models and judges are loaded once, frozen, whole on every rank (a grader runs inside the
+    rollout phase, whose rounds differ from rank to rank: no collective may run there)."""
 
-    def __init__(self, spec: str, tokenizer, device="cpu"):
+    def __init__(self, spec: str, tokenizer, device="cpu", rubric: str | None = None):
         self.terms = parse_reward(spec)
         self.tok = tokenizer
         self.models = {name: load_reward_model(name[3:], device) for _, name in self.terms if name.startswith("rm:")}
+        self.judges = {name: load_judge(name[6:], device) for _, name in self.terms if name.startswith("judge:")}
+        if self.judges and rubric is None:
+            raise UserError(f"--reward {spec!r} has a judge: pass --rubric FILE (e.g. rubrics/flattery.txt)")
+        self.rubric = load_rubric(rubric) if self.judges else None
 
     def __call__(self, rows, prompts, completions) -> Grades:
         """rows[i], prompts[i] (token ids) and completions[i] (engine.Completion) describe answer i."""
@@ -411,19 +417,17 @@ class Grader:
         grades = Grades(total=torch.zeros(len(completions)))
         for weight, name in self.terms:
             if name == "verifier":
-                part = [self._verify(row, text, grades.errors) for row, text in zip(rows, texts)]
+                part, errors, counts = verify_batch([r["verifier"] for r in rows], texts, [r["ground_truth"] for r in rows])
+                grades.errors += [f"{r['verifier']}: {e}" for r, e in zip(rows, errors) if e is not None]
+                grades.counts.update({f"code/{k}": v for k, v in counts.items()})  # how code answers' sandboxes ended
             elif name == "format":
                 part = [float(has_format(row["verifier"], text)) for row, text in zip(rows, texts)]
-            else:  # one batched pass of the reward model over prompt + answer
+            elif name in self.models:  # one batched pass of the reward model over prompt + answer
                 part = score(self.models[name], [p + c.tokens for p, c in zip(prompts, completions)])
+            else:  # the judge reads the question and the answer against the rubric, one batched generation
+                model, tok = self.judges[name]
+                part, counts = judge_scores(model, tok, [r["prompt"] for r in rows], texts, self.rubric)
+                grades.counts.update({f"{name.split(':')[0]}/{k}": v for k, v in counts.items()})
             grades.parts[name] = torch.tensor(part, dtype=torch.float32)
             grades.total += weight * grades.parts[name]
         return grades
-
-    @staticmethod
-    def _verify(row, text, errors):
-        try:
-            return verify(row["verifier"], text, row["ground_truth"])
-        except Exception as e:  # a verifier that raises scores 0, is counted, and never stops the run
-            errors.append(f"{row['verifier']}: {type(e).__name__}: {e}")
-            return 0.0

@@ -31,6 +31,7 @@ class Rollouts:
     reward_parts: dict = field(default_factory=dict)  # grader name -> (N,) its own score
     errors: list = field(default_factory=list)        # verifier errors (each scored 0)
     group_size: int = 1
+    counts: dict = field(default_factory=dict)        # the graders' counts (code outcomes, missing verdicts)
 
     def __len__(self):
         return len(self.completions)
@@ -40,7 +41,8 @@ class Rollouts:
         answers = list(answers)
         return Rollouts([self.rows[i] for i in answers], [self.prompts[i] for i in answers],
                         [self.completions[i] for i in answers], self.rewards[answers],
-                        {k: v[answers] for k, v in self.reward_parts.items()}, self.errors, self.group_size)
+                        {k: v[answers] for k, v in self.reward_parts.items()}, self.errors, self.group_size,
+                        self.counts)
 
     @staticmethod
     def concat(parts: list["Rollouts"]) -> "Rollouts":
@@ -48,7 +50,8 @@ class Rollouts:
         return Rollouts([r for p in parts for r in p.rows], [x for p in parts for x in p.prompts],
                         [c for p in parts for c in p.completions], torch.cat([p.rewards for p in parts]),
                         {k: torch.cat([p.reward_parts[k] for p in parts]) for k in first.reward_parts},
-                        [e for p in parts for e in p.errors], first.group_size)
+                        [e for p in parts for e in p.errors], first.group_size,
+                        {k: sum(p.counts.get(k, 0) for p in parts) for k in {k for p in parts for k in p.counts}})
 
     def stats(self) -> dict:
         """Sums over this rank's answers (divide by the global answer count after an all-reduce)."""
@@ -58,7 +61,8 @@ class Rollouts:
                 "tool_answers": float(sum(c.tool_calls > 0 for c in self.completions)),
                 "tool_calls": float(sum(c.tool_calls for c in self.completions)),
                 "correct": float((self.rewards >= 1.0).sum()), "reward_sum": float(self.rewards.sum()),
-                **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()}}
+                **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()},
+                **{f"count/{k}": float(v) for k, v in self.counts.items()}}
 
 
 def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperature=1.0, top_k=None,
@@ -75,7 +79,7 @@ def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperat
     answer_prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
     grades = grader(answer_rows, answer_prompts, completions)
     return Rollouts(answer_rows, answer_prompts, completions, grades.total, grades.parts, grades.errors,
-                    samples_per_prompt)
+                    samples_per_prompt, grades.counts)
 
 
 @dataclass

@@ -141,3 +141,39 @@ def test_load_judge_is_frozen_in_the_compute_dtype(tok, tmp_path, monkeypatch):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     with pytest.raises(UserError, match="judge"):
         load_judge(str(tmp_path / "nothing-here"), "cpu")
+
+
+def test_grader_weighs_and_returns_every_component(tok, tmp_path, monkeypatch):
+    """--reward verifier+0.5*format+0.2*judge:J+0.3*rm:R: the reward is the weighted sum, each component
+    is returned on its own, a verifier that raises scores 0 and is counted, the judge's counts come along."""
+    from engine import Completion
+    from rewards import Grader
+    replies = {"#### 19": "Right.\nVERDICT: 8", "#### 20": "Wrong.\nVERDICT: 1", "19": "No format.\nVERDICT: 5"}
+    judge = ScriptedJudge(tok, replies)
+    monkeypatch.setattr(rewards, "load_judge", lambda path, device="cpu": (judge, tok))
+    torch.manual_seed(0)
+    rm = GPT(GPTConfig(**{**tiny_config(tok).__dict__, "head": "scalar"}))
+    torch.nn.init.normal_(rm.score.weight)
+    rm.save_hf(str(tmp_path / "rm"), tok)
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Scale: 0-10\nGrade correctness.")
+    grader = Grader(f"verifier+0.5*format+0.2*judge:J+0.3*rm:{tmp_path / 'rm'}", tok, rubric=str(rubric))
+    rows = [{"prompt": [{"role": "user", "content": "9 + 10?"}], "ground_truth": "19", "verifier": "gsm8k"}] * 3
+    rows.append({"prompt": "x", "ground_truth": "not a number", "verifier": "gsm8k"})  # a broken row: raises
+    answers = ["#### 19", "#### 20", "19", "#### 19"]
+    prompts = [tok.render_for_completion(r["prompt"] if isinstance(r["prompt"], list) else
+                                         [{"role": "user", "content": r["prompt"]}]) for r in rows]
+    comps = [Completion(i, tokens=tok.encode(a) + [tok.eos_id]) for i, a in enumerate(answers)]
+    g = grader(rows, prompts, comps)
+    verifier, fmt, verdict = [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0], [0.8, 0.1, 0.5, 0.8]
+    with torch.no_grad():  # the reward model's score at each answer's last token, from its forward
+        rm_scores = [rm(torch.tensor([p + c.tokens]))[0, -1].item() for p, c in zip(prompts, comps)]
+    assert g.parts["verifier"].tolist() == verifier and g.parts["format"].tolist() == fmt
+    torch.testing.assert_close(g.parts["judge:J"], torch.tensor(verdict))
+    torch.testing.assert_close(g.parts[f"rm:{tmp_path / 'rm'}"], torch.tensor(rm_scores), atol=1e-5, rtol=1e-5)
+    want = torch.tensor(verifier) + 0.5 * torch.tensor(fmt) + 0.2 * torch.tensor(verdict) + 0.3 * torch.tensor(rm_scores)
+    torch.testing.assert_close(g.total, want, atol=1e-5, rtol=1e-5)
+    assert len(g.errors) == 1 and "gsm8k ground truth must be a number" in g.errors[0]
+    assert g.counts["judge/unparseable"] == 0 and g.counts["code/pass"] == 0
+    with pytest.raises(UserError, match="--rubric"):
+        Grader("judge:J", tok)

@@ -324,9 +324,13 @@ def test_loop_runs_with_a_reward_model(tmp_path, tiny_chat):
     rm = GPT.from_hf(tiny_chat, head="scalar")
     torch.nn.init.normal_(rm.score.weight)  # a random scorer: rewards differ from answer to answer
     rm.save_hf(str(tmp_path / "rm"))
-    rows = rl_run(tmp_path, tiny_chat, "--reward", f"rm:{tmp_path / 'rm'}")
+    rm_name = f"rm:{tmp_path / 'rm'}"
+    rows = rl_run(tmp_path, tiny_chat, "--reward", f"verifier+0.1*format+0.5*{rm_name}")
     steps = [r for r in rows if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["flat_group_frac"] < 1 for r in steps)
+    for r in steps:  # each component logged on its own, the reward their weighted sum
+        parts = r["reward/verifier"] + 0.1 * r["reward/format"] + 0.5 * r[f"reward/{rm_name}"]
+        assert abs(r["reward"] - parts) < 1e-5
 
 
 # ------------------------------------------------------------------------------------------------

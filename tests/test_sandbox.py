@@ -6,7 +6,6 @@ read its exit code), `naive_passes` shows it does, so that each of those tests c
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
