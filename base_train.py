@@ -24,8 +24,9 @@ import torch
 from common import (IGNORE, MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
                     check_finite, cleanup_dist, dist_info, epoch_batch, heldout_loss, init_dist, load_model,
                     load_training_state, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    pack_bfd, print0, print_config, progress, resume_checkpoint, run_dir, run_main, save_checkpoint,
-                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+                    pack_bfd, peak_memory_mb, print0, print_config, progress, resume_checkpoint, run_dir, run_main,
+                    save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
+import memory
 from model import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,6 +149,9 @@ def main():
                        n_embd=args.n_embd, head_dim=args.n_embd // args.n_head, intermediate_size=4 * args.n_embd,
                        max_seq_len=args.max_seq_len)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
+    memory.check(memory.estimate(trained=[memory.Shape.of(config)], micro_batch_tokens=args.device_batch_size * args.seq_len,
+                                 world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
+                                 grad_checkpointing=args.grad_checkpointing), device)  # know before you OOM
     if ckpt:
         model = load_model(ckpt, fsdp=args.fsdp)
     else:
@@ -186,7 +190,8 @@ def main():
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
         loss_sum = all_reduce_sum(loss_sum)
         tokens_since += n_global
-        metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4)}
+        metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4),
+                   "peak_mem_mb": round(peak_memory_mb(device))}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             dt = time.time() - t_last
             metrics.update(val_loss=round(heldout_loss(model, val_ex, val_rows, tok.pad_id, args.seq_len, "bfd", device), 6),

@@ -360,7 +360,9 @@ def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
 
 
 def main():
+    import memory
     from chat_eval import evaluate_chat, paired_change
+    from model import load_config
     from tasks import kto_rows, load_kto, load_preferences, preference_pairs, rl_prompts
     from tokenizer import Tokenizer
 
@@ -396,6 +398,12 @@ def main():
     tok = Tokenizer.load(init)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
+    policy = memory.Shape.of(load_config(init))  # know before you OOM
+    memory.check(memory.estimate(trained=[policy], frozen=[policy] * (args.ref == "live" and not orpo),
+                                 micro_batch_tokens=args.micro_batch_tokens, world_size=dist.world_size, fsdp=args.fsdp,
+                                 cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing,
+                                 sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
+                                 sample_tokens=args.max_len), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(init, fsdp=args.fsdp), fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:  # sampled from the starting policy, before any update
@@ -523,7 +531,7 @@ def main():
         else:  # per pair
             metrics = {k: v / per_step for k, v in totals.items() if k != "loss"}
         metrics = {"loss": round(totals["loss"], 6), **{k: round(v, 5) for k, v in metrics.items()}, "lr": lr,
-                   "grad_norm": round(grad_norm, 4)}
+                   "grad_norm": round(grad_norm, 4), "peak_mem_mb": round(peak_memory_mb(device))}
         if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and val_items:
             ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})

@@ -37,10 +37,10 @@ import time
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
-                    global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer,
-                    micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, print_config,
-                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist,
+                    compute_dtype, global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at,
+                    make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0,
+                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
                     seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rollout import batch_logprobs, kl_penalty, sample, tis_weights, training_batch
 
@@ -241,8 +241,10 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
 
 
 def main():
+    import memory
     from chat_eval import evaluate_chat
     from engine import Engine
+    from model import load_config
     from rewards import Grader
     from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
     from tokenizer import Tokenizer
@@ -275,7 +277,6 @@ def main():
     # the four networks. 1: the actor, the policy being trained, float32 master weights
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     critic_ckpt = resume_checkpoint(os.path.join(out_dir, "critic")) if args.resume else None
-    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
     # 2: the critic, a value head on a GPT trunk; by default the reward model's (InstructGPT, Tülu 3)
     if args.critic_init is not None:
         critic_init = resolve_model_path(args.critic_init)
@@ -287,12 +288,24 @@ def main():
                    f"to start the critic from it, as InstructGPT and Tülu 3 do); starting the critic from {init} "
                    f"with a fresh value head")
             critic_init = init
+    # know before you OOM: the actor and the critic train; the reference and any grader model only run forward
+    tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
+    policy, value = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(critic_init, head="scalar"))
+    prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
+    use_kl = args.kl_beta > 0 or args.kl_target is not None
+    memory.check(memory.estimate(
+        trained=[policy, value], frozen=[policy] * use_kl + memory.grader_shapes(args.reward),
+        micro_batch_tokens=min(args.micro_batch_tokens, -(-local_prompts * S // args.minibatches) * (prompt_len + args.max_new_tokens)),
+        graded_tokens=min(args.micro_batch_tokens, -(-local_prompts * S // args.minibatches) * args.max_new_tokens),
+        world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
+        grad_checkpointing=args.grad_checkpointing, sample_rows=local_prompts * S,
+        sample_tokens=prompt_len + args.max_new_tokens), device)
+    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp), fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
-    use_kl = args.kl_beta > 0 or args.kl_target is not None
     ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False) if use_kl else None
 
     actor_opt = make_optimizer(actor, args.lr)
@@ -309,7 +322,6 @@ def main():
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
     engine = Engine(unwrap(actor), tok, tools=TOOLS if args.tools else None)
-    tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from {critic_init}; "
            f"reward {args.reward}; reference {'loaded' if ref_model else 'off (no KL)'}; {len(rows)} prompts; "

@@ -38,10 +38,10 @@ import time
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
-                    global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer,
-                    micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, print_config,
-                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist,
+                    compute_dtype, global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at,
+                    make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0,
+                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
                     seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rollout import Rollouts, batch_logprobs, kl_penalty, sample, tis_weights, training_batch
 
@@ -307,8 +307,10 @@ def overlong_penalty(length, max_len, buffer, penalty=1.0):
 
 
 def main():
+    import memory
     from chat_eval import evaluate_chat
     from engine import Engine
+    from model import load_config
     from rewards import Grader
     from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
     from tokenizer import Tokenizer
@@ -334,6 +336,18 @@ def main():
 
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
+    tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
+    G = args.group_size
+    local_prompts = args.prompts_per_step // dist.world_size
+    # know before you OOM: the policy trains; the reference and any grader model only run forward
+    policy, graders = memory.Shape.of(load_config(init)), memory.grader_shapes(args.reward)
+    prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
+    memory.check(memory.estimate(
+        trained=[policy], frozen=[policy] * (args.kl_beta > 0) + graders, world_size=dist.world_size, fsdp=args.fsdp,
+        micro_batch_tokens=min(args.micro_batch_tokens, -(-local_prompts * G // args.minibatches) * (prompt_len + args.max_new_tokens)),
+        graded_tokens=min(args.micro_batch_tokens, -(-local_prompts * G // args.minibatches) * args.max_new_tokens),
+        cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing, sample_rows=local_prompts * G,
+        sample_tokens=prompt_len + args.max_new_tokens), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
@@ -351,9 +365,6 @@ def main():
         ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None)
-    tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
-    G = args.group_size
-    local_prompts = args.prompts_per_step // dist.world_size
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, tool_schemas=tool_schemas, max_tool_turns=args.max_tool_turns)
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {len(rows)} prompts; "

@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
                     check_finite, cleanup_dist, dist_info, epoch_batch, idle_pass, init_dist, load_model,
                     load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
-                    pack_sequences, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
-                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
+                    pack_sequences, peak_memory_mb, print0, print_config, progress, resolve_model_path,
+                    resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model,
+                    write_eval)
 from rewards import score
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
@@ -198,6 +199,8 @@ def evaluate_pairs(model, pairs, batch_size=32):
 
 
 def main():
+    import memory
+    from model import load_config
     from tasks import load_preferences, preference_pairs
     from tokenizer import Tokenizer
 
@@ -240,6 +243,9 @@ def main():
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
+    memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], micro_batch_tokens=args.micro_batch_tokens,
+                                 world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
+                                 grad_checkpointing=args.grad_checkpointing), device)  # know before you OOM
     # a fresh score head starts at 0: every reward 0 at step 0
     model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp)  # float32 master weights
     model.grad_checkpointing = args.grad_checkpointing
@@ -298,7 +304,8 @@ def main():
         metrics = {"loss": round(totals["reward_loss"] + args.lm_coef * totals["lm_loss"], 6),
                    "reward_loss": round(totals["reward_loss"], 6), "lm_loss": round(totals["lm_loss"], 6),
                    "accuracy": totals["correct"] / per_step, "margin": totals["margin"] / per_step,
-                   "reward_mean": totals["reward_sum"] / (2 * per_step), "lr": lr, "grad_norm": round(grad_norm, 4)}
+                   "reward_mean": totals["reward_sum"] / (2 * per_step), "lr": lr, "grad_norm": round(grad_norm, 4),
+                   "peak_mem_mb": round(peak_memory_mb(device))}
         if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
             ev = evaluate_pairs(model, val_pairs)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})

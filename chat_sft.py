@@ -24,11 +24,11 @@ import os
 
 import torch
 
-from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist,
-                    epoch_batch, heldout_loss, init_dist, load_model,
-                    load_training_state, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    pack_bfd, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main,
-                    save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist, epoch_batch,
+                    heldout_loss, init_dist, load_model, load_training_state, lr_at, make_batch, make_optimizer,
+                    nanopost_home, no_sync, optimizer_step, pack_bfd, peak_memory_mb, print0, print_config, progress,
+                    resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr,
+                    unwrap, wrap_model, write_eval)
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
@@ -121,7 +121,9 @@ def build_rows(examples, seq_len, packing):
 
 
 def main():
+    import memory
     from chat_eval import evaluate_chat
+    from model import load_config
     from tasks import load_sft, rl_prompts, sft_conversations
     from tokenizer import Tokenizer
 
@@ -168,6 +170,9 @@ def main():
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
+    memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], world_size=dist.world_size,
+                                 micro_batch_tokens=args.device_batch_size * args.seq_len, fsdp=args.fsdp,
+                                 cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
@@ -205,7 +210,7 @@ def main():
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
         loss_sum = all_reduce_sum(loss_sum)
         metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4),
-                   "trained_tokens": int(n_global)}
+                   "trained_tokens": int(n_global), "peak_mem_mb": round(peak_memory_mb(device))}
         if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
             metrics["val_loss"] = round(heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len,
                                                         args.packing, device), 6)

@@ -332,12 +332,21 @@ def write_eval(run_path: str, metrics: dict):
         json.dump({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}, f, indent=2)
 
 
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+_RSS_AT_START = _rss_bytes()  # the interpreter, torch and the libraries: what no estimate counts
+
+
 def peak_memory_mb(device):
-    """Peak resident memory of this process (CPU) or peak allocated device memory (CUDA), in MiB."""
+    """Peak memory of this run, in MiB: on CUDA the peak allocated device memory; on CPU the peak resident
+    memory of the process above what it held once torch was imported (comparable to memory.estimate)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _RSS_AT_START) / 2**20  # Linux: KiB
 
 
 def check_finite(loss, step):

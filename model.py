@@ -533,14 +533,7 @@ class GPT(nn.Module):
         built on the meta device, sharded, allocated, and each rank copies only its own slice of each
         tensor from the memory-mapped files: no rank ever holds the whole model."""
         from safetensors import safe_open
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise UserError(f"{path}: no config.json; expected a Hugging Face model folder "
-                            f"(config.json + model.safetensors)")
-        with open(cfg_path) as f:
-            config = config_from_hf(json.load(f), path)
-        if head is not None:
-            config.head = head
+        config = load_config(path, head)
         files = _safetensors_files(path)
         with torch.device("meta"):
             model = cls(config)
@@ -589,6 +582,18 @@ def _copy_shard(param, full):
     from torch.distributed.tensor import distribute_tensor
     with torch.no_grad():
         param.copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None))
+
+
+def load_config(path, head=None) -> GPTConfig:
+    """The GPTConfig of a Hugging Face folder (its config.json), without loading any weight."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise UserError(f"{path}: no config.json; expected a Hugging Face model folder (config.json + model.safetensors)")
+    with open(cfg_path) as f:
+        config = config_from_hf(json.load(f), path)
+    if head is not None:
+        config.head = head
+    return config
 
 
 def load_lm_head(path, device="cpu"):

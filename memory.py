@@ -1,0 +1,148 @@
+"""
+Know before you OOM: the peak memory of a stage on one device, estimated from the model's shape and the
+run's flags, printed before a run starts (and refused, with the numbers, when it cannot fit).
+
+A run holds, per device:
+    weights     float32 master weights of what trains (4 bytes a parameter), plus every frozen model
+                (reference, reward model, judge) in the compute dtype; 1/N of each under FSDP2 (--fsdp)
+    gradients   float32, one per trained parameter (1/N under FSDP2); alive from the first backward
+    optimizer   AdamW's two float32 moments (8 bytes a parameter; 1/N under FSDP2)
+    engine      while sampling: the sampler's weights (a compute-dtype copy on CUDA or under FSDP2; on a
+                float32 CPU run the master weights themselves), its fused q/k/v and gate/up copies, the KV
+                cache (2 x layers x rows x kv heads x head dim x tokens), and the sampler's (rows, V) buffers
+    activations while training: what backward needs of one forward pass of --micro-batch-tokens tokens
+                (every block's saved tensors, or only each block's input with --grad-checkpointing), plus
+                the chunked vocabulary head (about 2^26 logits at a time, never the whole (B, T, V))
+Sampling, the forward and backward, and the optimizer step take turns: the peak is the largest of the three
+on top of the weights and the optimizer state.
+The per-token activation count below was measured on this CPU for our block (tests/test_memory.py holds
+the estimate within 20% of the measured peak of real SFT and GRPO steps at the real vocabulary size).
+"""
+from dataclasses import dataclass
+
+GiB = 2**30
+
+
+@dataclass
+class Shape:
+    """What the estimate needs of a model: GPTConfig's numbers."""
+    vocab_size: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def of(cls, config):
+        return cls(config.vocab_size, config.n_layer, config.n_embd, config.n_head, config.n_kv_head,
+                   config.head_dim, config.intermediate_size, config.tie_word_embeddings)
+
+    def block_params(self):
+        C, D, I = self.n_embd, self.head_dim, self.intermediate_size
+        return C * (self.n_head + 2 * self.n_kv_head) * D + self.n_head * D * C + 3 * C * I + 2 * C + 2 * D
+
+    def params(self):
+        embed = self.vocab_size * self.n_embd
+        return embed * (1 if self.tie_word_embeddings else 2) + self.n_layer * self.block_params() + self.n_embd
+
+
+def activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, grad_checkpointing=False, graded_tokens=None):
+    """What one training pass over `tokens` tokens adds at its peak, early in backward.
+    Blocks: per token and block, 1.2 x (6 C + 5 H*D + 2 Hk*D + 5 I) values (the norms' inputs, q/k/v before
+    and after RoPE, attention's output, the MLP's gate, up and their product; the 1.2 is what the
+    allocator adds, measured); with checkpointing only each block's input (C values), plus one block's
+    worth while it is recomputed. The vocabulary head runs on the graded tokens only (graded_tokens, default
+    all), chunked (about 2^26 float32 logits at a time):
+    about five chunks' worth of logits live in a chunk's recomputed backward, and 1.5 float32 copies of
+    its (V, C) weight gradient while the chunks accumulate into it. The constants were fitted to real steps
+    on this CPU (benchmarks/bench_memory.py) and tests/test_memory.py holds them there."""
+    C, HD, KD, I = shape.n_embd, shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim, shape.intermediate_size
+    per_block = 1.2 * (6 * C + 5 * HD + 2 * KD + 5 * I) * dtype_bytes
+    if grad_checkpointing:
+        blocks = tokens * (C * dtype_bytes * shape.n_layer + per_block)
+    else:
+        blocks = tokens * per_block * shape.n_layer
+    graded = tokens if graded_tokens is None else graded_tokens
+    chunk = min(graded, max(1, 2**26 // shape.vocab_size)) * shape.vocab_size
+    return blocks + 5 * 4 * chunk + 1.5 * 4 * shape.vocab_size * C
+
+
+def engine_bytes(shape: Shape, rows: int, tokens: int, dtype_bytes: int, sampler_copy: bool):
+    """The engine while it samples `rows` rows of at most `tokens` tokens (prompt + new)."""
+    C, D, I = shape.n_embd, shape.head_dim, shape.intermediate_size
+    fused = shape.n_layer * (C * (shape.n_head + 2 * shape.n_kv_head) * D + 2 * C * I) * dtype_bytes
+    copy = shape.params() * dtype_bytes + shape.vocab_size * C * 4 if sampler_copy else 0  # + the float32 head
+    kv_cache = 2 * shape.n_layer * rows * shape.n_kv_head * D * tokens * dtype_bytes
+    sampler = rows * shape.vocab_size * (4 + 4 + 8)  # float32 logits and log-probs, the float64 cumulative sum
+    return fused + copy + kv_cache + sampler
+
+
+def estimate(*, trained: list[Shape], frozen: list[Shape] = (), micro_batch_tokens: int, graded_tokens=None,
+             world_size: int = 1, fsdp: bool = False, cuda: bool = False, grad_checkpointing: bool = False,
+             sample_rows: int = 0, sample_tokens: int = 0) -> dict:
+    """Peak bytes per device, by component (see the module docstring), and their "total".
+    trained: the shapes of the models an optimizer updates (one; PPO's actor and critic: two);
+    frozen: models that only run forward; micro_batch_tokens: the tokens of one training pass (graded_tokens
+    of them trained: the answers of RL passes; default all); sample_rows x sample_tokens: the engine's
+    batch (0: no sampling)."""
+    compute = 2 if cuda else 4
+    shard = world_size if fsdp else 1
+    n_trained = sum(s.params() for s in trained)
+    out = {"weights": (4 * n_trained + compute * sum(s.params() for s in frozen)) / shard,
+           "gradients": 4 * n_trained / shard,
+           "optimizer": 8 * n_trained / shard}
+    if fsdp and world_size > 1:  # one block gathered at a time (and the root), in the compute dtype
+        out["weights"] += compute * max(s.block_params() + s.vocab_size * s.n_embd for s in trained)
+    out["activations"] = sum(activation_bytes(s, micro_batch_tokens, compute, grad_checkpointing, graded_tokens)
+                             for s in trained)
+    out["engine"] = engine_bytes(trained[0], sample_rows, sample_tokens, compute, sampler_copy=cuda or fsdp) \
+        if sample_rows else 0
+    # three phases take turns on top of the weights and the optimizer state: sampling (the engine), a
+    # forward and backward (activations), and the optimizer step (every gradient, and AdamW's temporaries,
+    # about one more float32 copy of the trained parameters)
+    out["total"] = out["weights"] + out["optimizer"] + max(out["engine"], out["activations"], 2 * out["gradients"])
+    return out
+
+
+def describe(est: dict) -> str:
+    parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in est.items() if k != "total" and v)
+    return f"{est['total'] / GiB:.2f} GiB ({parts})"
+
+
+def available_bytes(device) -> int | None:
+    """What the device can hold: free GPU memory, or the machine's available RAM (None if unknown)."""
+    import torch
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check(est: dict, device) -> None:
+    """Print the estimate before a run starts; refuse to start, naming both numbers, when it exceeds what
+    the device has available."""
+    from common import UserError, print0
+    print0(f"estimated peak memory per device: {describe(est)}")
+    available = available_bytes(device)
+    if available is not None and est["total"] > available:
+        raise UserError(f"this run needs about {est['total'] / GiB:.1f} GiB per device ({describe(est)}) and "
+                        f"{device} has {available / GiB:.1f} GiB available: lower --micro-batch-tokens (or "
+                        f"--device-batch-size), add --grad-checkpointing, shard with --fsdp on more devices, or "
+                        f"use a larger device")
+
+
+def grader_shapes(reward_spec: str) -> list[Shape]:
+    """The shapes of the models among --reward's graders (rm:PATH, judge:PATH), frozen on every rank."""
+    from common import resolve_model_path
+    from model import load_config
+    from rewards import parse_reward
+    return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1])))
+            for _, name in parse_reward(reward_spec) if ":" in name]
