@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from chat_sft import sft_example
 from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max,
                     all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype, dist_info, epoch_batch,
-                    idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer, micro_batches,
-                    nanopost_home, no_sync, optimizer_step, pack_sequences, peak_memory_mb, print0, print_config,
-                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    idle_pass, init_dist, learning_rate, load_model, load_training_state, lr_at, make_optimizer,
+                    micro_batches, nanopost_home, no_sync, optimizer_step, pack_sequences, peak_memory_mb, print0,
+                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
                     seed_everything, set_lr, unwrap, wrap_model, write_eval)
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
@@ -71,7 +71,7 @@ parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradi
 parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
-parser.add_argument("--lr", type=float, default=2e-5, help="higher lowers pass@1 here: 2e-4 took it from 0.60 to 0.33")
+parser.add_argument("--lr", type=float, default=None, help="default: 2e-5 on the embedded world (2e-4 took pass@1 from 0.60 to 0.33), 5e-7 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=3)
 parser.add_argument("--final-lr-ratio", type=float, default=0.1)
 parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -450,6 +450,7 @@ def main():
         raise UserError(f"--batch-size {per_step} must be at least the number of ranks ({dist.world_size})")
     steps_per_epoch = math.ceil(len(items) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
+    args.lr = learning_rate(args.lr, "dpo", unwrap(model).config)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:

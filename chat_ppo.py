@@ -38,10 +38,10 @@ import time
 import torch
 
 from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist,
-                    compute_dtype, global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at,
-                    make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0,
-                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
-                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+                    compute_dtype, global_mean_var, idle_pass, init_dist, learning_rate, load_model,
+                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
+                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rollout import batch_logprobs, kl_penalty, sample, tis_weights, training_batch
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
@@ -91,8 +91,8 @@ parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens
 parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
 parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
 parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
-parser.add_argument("--lr", type=float, default=1e-4, help="actor learning rate")
-parser.add_argument("--critic-lr", type=float, default=5e-4)
+parser.add_argument("--lr", type=float, default=None, help="actor learning rate (default: 1e-4 on the embedded world, 1e-6 for a real model)")
+parser.add_argument("--critic-lr", type=float, default=None, help="default: 5e-4 on the embedded world, 1e-5 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=3)
 parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train only the critic for the first N steps: a critic "
                     "started from the RM speaks the RM's scale, not the reward's, and its first advantages are noise")
@@ -308,6 +308,8 @@ def main():
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
     ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False) if use_kl else None
 
+    args.lr = learning_rate(args.lr, "ppo", unwrap(actor).config)
+    args.critic_lr = learning_rate(args.critic_lr, "critic", unwrap(critic).config, name="--critic-lr")
     actor_opt = make_optimizer(actor, args.lr)
     critic_opt = make_optimizer(critic, args.critic_lr)
     start_step, kl_beta, train_clock = 0, args.kl_beta, 0.0

@@ -39,10 +39,10 @@ import time
 import torch
 
 from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist,
-                    compute_dtype, global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at,
-                    make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0,
-                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
-                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+                    compute_dtype, global_mean_var, idle_pass, init_dist, learning_rate, load_model,
+                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
+                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rollout import Rollouts, batch_logprobs, kl_penalty, sample, tis_weights, training_batch
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
@@ -94,7 +94,7 @@ parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens
 parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
 parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
 parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
-parser.add_argument("--lr", type=float, default=1e-4)
+parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=3)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
@@ -352,6 +352,7 @@ def main():
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
+    args.lr = learning_rate(args.lr, "rl", unwrap(model).config)
     optimizer = make_optimizer(model, args.lr)
     start_step, train_clock = 0, 0.0  # train_clock: seconds in steps, evaluation excluded (--time-budget)
     if ckpt:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
-                    check_finite, cleanup_dist, dist_info, epoch_batch, idle_pass, init_dist, load_model,
+                    check_finite, cleanup_dist, dist_info, epoch_batch, idle_pass, init_dist, learning_rate, load_model,
                     load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
                     pack_sequences, peak_memory_mb, print0, print_config, progress, resolve_model_path,
                     resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model,
@@ -55,7 +55,7 @@ parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradi
 parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
-parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 on the embedded world, 1e-5 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=5)
 parser.add_argument("--final-lr-ratio", type=float, default=0.1)
 parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -252,6 +252,7 @@ def main():
     if args.lm_coef:
         attach_vocab_head(model, init)
     model = wrap_model(model, fsdp=args.fsdp)  # DDP under torchrun, or FSDP2 with --fsdp
+    args.lr = learning_rate(args.lr, "rm", unwrap(model).config)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:

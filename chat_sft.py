@@ -25,10 +25,10 @@ import os
 import torch
 
 from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist, epoch_batch,
-                    heldout_loss, init_dist, load_model, load_training_state, lr_at, make_batch, make_optimizer,
-                    nanopost_home, no_sync, optimizer_step, pack_bfd, peak_memory_mb, print0, print_config, progress,
-                    resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr,
-                    unwrap, wrap_model, write_eval)
+                    heldout_loss, init_dist, learning_rate, load_model, load_training_state, lr_at, make_batch,
+                    make_optimizer, nanopost_home, no_sync, optimizer_step, pack_bfd, peak_memory_mb, print0,
+                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
@@ -46,7 +46,7 @@ parser.add_argument("--batch-size", type=int, default=16, help="rows per optimiz
 parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
-parser.add_argument("--lr", type=float, default=1e-3)
+parser.add_argument("--lr", type=float, default=None, help="default: 1e-3 on the embedded world, 1e-5 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=10)
 parser.add_argument("--final-lr-ratio", type=float, default=0.1, help="cosine decay to this fraction of --lr")
 parser.add_argument("--weight-decay", type=float, default=0.0)
@@ -176,6 +176,7 @@ def main():
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
+    args.lr = learning_rate(args.lr, "sft", unwrap(model).config)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:

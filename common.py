@@ -665,6 +665,36 @@ def make_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.95)):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=_DIST.device.type == "cuda")
 
 
+# Learning rates: the embedded world trains 1M-parameter models from scratch-like starts and wants large
+# ones; a real checkpoint is wrecked by them. Without --lr a stage takes the one that fits the model:
+LEARNING_RATES = {  # stage: (the embedded world's, a real model's, from the literature)
+    "sft": (1e-3, 1e-5),     # Tulu 3 SFT: 5e-6 (8B), 2e-6 (70B); Qwen/Llama recipes 1e-5 to 2e-5
+    "rm": (3e-3, 1e-5),      # InstructGPT's RM 9e-6; OpenRLHF's default 9e-6
+    "dpo": (2e-5, 5e-7),     # Tulu 3 DPO 5e-7 (8B); Zephyr 5e-7
+    "rl": (1e-4, 1e-6),      # DAPO and TRL's GRPO 1e-6
+    "ppo": (1e-4, 1e-6),     # the actor; OpenRLHF 5e-7, Tulu 3 RLVR 3e-7
+    "critic": (5e-4, 1e-5),  # PPO's critic; OpenRLHF 9e-6
+}
+
+
+def is_real_model(config) -> bool:
+    """A model from outside the embedded world: a real vocabulary, or more than 50M parameters."""
+    from memory import Shape
+    return config.vocab_size >= 32000 or Shape.of(config).params() >= 50_000_000
+
+
+def learning_rate(flag, stage, config, name="--lr"):
+    """The learning rate a run uses: the flag as given, else the embedded world's default for its small
+    models or the literature's for a real checkpoint (LEARNING_RATES), said out loud."""
+    if flag is not None:
+        return flag
+    small, real = LEARNING_RATES[stage]
+    lr = real if is_real_model(config) else small
+    print0(f"{name} {lr:g}: the {'real-model' if lr == real else 'embedded-world'} default for {stage} "
+           f"({config.vocab_size:,}-token vocabulary); pass {name} to choose")
+    return lr
+
+
 def lr_at(step, total_steps, base_lr, warmup_steps=0, final_ratio=0.1):
     """Linear warmup, then cosine decay to final_ratio * base_lr at the last step."""
     if step < warmup_steps:

@@ -146,3 +146,46 @@ def grader_shapes(reward_spec: str) -> list[Shape]:
     from rewards import parse_reward
     return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1])))
             for _, name in parse_reward(reward_spec) if ":" in name]
+
+
+# Qwen3's published shapes: layers, width, heads, kv heads, head dim, MLP width, tied embeddings
+QWEN3 = {name: Shape(151936, L, C, H, Hk, 128, I, tie) for name, (L, C, H, Hk, I, tie) in {
+    "0.6B": (28, 1024, 16, 8, 3072, True), "1.7B": (28, 2048, 16, 8, 6144, True),
+    "4B": (36, 2560, 32, 8, 9728, True), "8B": (36, 4096, 32, 8, 12288, False),
+    "14B": (40, 5120, 40, 8, 17408, False), "32B": (64, 5120, 64, 8, 25600, False)}.items()}
+
+
+def stage_estimates(shape: Shape, world_size=1, fsdp=False) -> dict:
+    """Each stage at real-model settings on CUDA (bf16 compute, --grad-checkpointing): SFT and DPO at
+    4,096-token passes (DPO's reference precomputed), GRPO sampling 64 answers of 1,024 tokens after a
+    512-token prompt per device and training 8,192-token passes, PPO the same with a critic of the same
+    size and the reference loaded."""
+    common = dict(world_size=world_size, fsdp=fsdp, cuda=True, grad_checkpointing=True)
+    rollout = dict(sample_rows=64, sample_tokens=512 + 1024, micro_batch_tokens=8192, graded_tokens=8192 * 2 // 3)
+    return {"SFT": estimate(trained=[shape], micro_batch_tokens=4096, **common),
+            "DPO": estimate(trained=[shape], micro_batch_tokens=4096, **common),
+            "GRPO": estimate(trained=[shape], **rollout, **common),
+            "PPO": estimate(trained=[shape, shape], frozen=[shape], **rollout, **common)}
+
+
+if __name__ == "__main__":
+    # python memory.py: the README's tables of what fits where, from this estimator
+    print("GiB per device, one GPU (bf16 compute, float32 master weights, --grad-checkpointing):")
+    print(f"{'Qwen3':>6s}  {'params':>7s}" + "".join(f"{s:>9s}" for s in ("SFT", "DPO", "GRPO", "PPO")))
+    for name, shape in QWEN3.items():
+        est = stage_estimates(shape)
+        print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
+    for gpus in (8,):
+        print(f"\nGiB per device, {gpus} GPUs with --fsdp:")
+        for name, shape in QWEN3.items():
+            est = stage_estimates(shape, world_size=gpus, fsdp=True)
+            print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
+    print("\nThe largest Qwen3 each stage trains, by this estimate (GiB of device memory):")
+    for label, gpus, fsdp in (("1 GPU", 1, False), ("8 GPUs, --fsdp", 8, True)):
+        for size in (24, 80, 141):
+            fits = {stage: "-" for stage in ("SFT", "DPO", "GRPO", "PPO")}
+            for name, shape in QWEN3.items():
+                for stage, e in stage_estimates(shape, world_size=gpus, fsdp=fsdp).items():
+                    if e["total"] <= 0.9 * size * GiB:  # 10% for the CUDA allocator and the runtime
+                        fits[stage] = name
+            print(f"{label:>15s}, {size:3d} GiB:" + "".join(f"  {s} {n:>4s}" for s, n in fits.items()))

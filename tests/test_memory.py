@@ -40,18 +40,22 @@ def measured_peak_gib(home, stage):
         return max(json.loads(line).get("peak_mem_mb", 0) for line in f) / 1024
 
 
-def test_sft_steps_peak_within_20_percent_of_the_estimate(tmp_path, real_vocab_folder):
+def test_sft_steps_peak_within_20_percent_of_the_estimate_and_a_real_model_gets_a_real_lr(tmp_path, real_vocab_folder):
     words = "apples marbles count each friend gives buys more equal piles dollars".split()
     with open(tmp_path / "sft.jsonl", "w") as f:  # conversations of about 500 tokens
         for i in range(4):
             answer = " ".join(words[(i + j) % len(words)] for j in range(420))
             f.write(json.dumps({"messages": [{"role": "user", "content": "Tell me a story."},
                                              {"role": "assistant", "content": answer}]}) + "\n")
-    estimate, _ = run(tmp_path, "chat_sft.py", "--init", real_vocab_folder, "--data", str(tmp_path / "sft.jsonl"),
-                      "--steps", "2", "--seq-len", "544", "--batch-size", "2", "--device-batch-size", "2",
-                      "--eval-problems", "0", "--save-every", "1000", "--overlong", "crop")
+    estimate, out = run(tmp_path, "chat_sft.py", "--init", real_vocab_folder, "--data", str(tmp_path / "sft.jsonl"),
+                        "--steps", "2", "--seq-len", "544", "--batch-size", "2", "--device-batch-size", "2",
+                        "--eval-problems", "0", "--save-every", "1000", "--overlong", "crop", "--warmup-steps", "0")
     measured = measured_peak_gib(tmp_path, "sft")
     assert abs(estimate - measured) <= 0.2 * measured, (estimate, measured)
+    # no --lr on a real-vocabulary model: the real-model learning rate, said out loud, not the toy world's 1e-3
+    assert "--lr 1e-05: the real-model default for sft" in out
+    with open(os.path.join(tmp_path, "sft", "default", "metrics.jsonl")) as f:
+        assert json.loads(f.readline())["lr"] == 1e-5
 
 
 def test_grpo_step_peak_within_20_percent_of_the_estimate(tmp_path, real_vocab_folder):
