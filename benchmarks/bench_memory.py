@@ -5,6 +5,7 @@ Peak memory of real steps at the real vocabulary, against memory.estimate.
     python benchmarks/bench_memory.py grpo    # one chat_rl.py step: 16 rollouts (2 prompts x 8) of 256 new tokens
     python benchmarks/bench_memory.py sft --layers 2 --width 256      # a narrow Qwen3 shape, seconds
     python benchmarks/bench_memory.py sft --repo /path/to/old/nanopost    # the same step with other code
+    python benchmarks/bench_memory.py sft --nproc 2 --extra=--fsdp        # per-rank peak of 2 FSDP2 ranks
 
 The model is Qwen3-0.6B's shape by default (28 layers, width 1024, 16 heads, 8 kv heads, head_dim 128,
 intermediate 3072, tied embeddings, vocabulary 151,936) with random weights, float32 on this CPU. Each
@@ -60,7 +61,7 @@ def sft_data(path, tokens):
 
 
 def run(cmd, home):
-    env = {**os.environ, "NANOPOST_HOME": home, "OMP_NUM_THREADS": str(os.cpu_count())}
+    env = {**os.environ, "NANOPOST_HOME": home}
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode:
@@ -90,6 +91,7 @@ def main():
     ap.add_argument("--rows", type=int, default=2, help="sft: rows in the step")
     ap.add_argument("--new-tokens", type=int, default=256, help="grpo: tokens sampled per rollout")
     ap.add_argument("--extra", default="", help="more flags for the stage script")
+    ap.add_argument("--nproc", type=int, default=1, help="ranks (torchrun); the peaks are rank 0's")
     args = ap.parse_args()
     shape = f"{args.layers}x{args.width}-v{args.vocab}"
     cache = os.path.join(tempfile.gettempdir(), f"nanopost-bench-{shape}")
@@ -102,7 +104,7 @@ def main():
         sft_data(data, args.tokens)
         cmd = [sys.executable, os.path.join(args.repo, "chat_sft.py"), "--init", cache, "--data", data, "--steps", "2",
                "--seq-len", str(args.tokens + 64), "--batch-size", str(args.rows), "--device-batch-size",
-               str(args.rows), "--eval-problems", "0", "--save-every", "1000000", "--eval-every", "1000000",
+               str(max(1, args.rows // args.nproc)), "--eval-problems", "0", "--save-every", "1000000", "--eval-every", "1000000",
                "--overlong", "crop"]
     else:
         per_pass = ["--micro-batch-tokens", "8192"] if "--micro-batch-tokens" in helps else ["--device-batch-size", "32"]
@@ -111,14 +113,23 @@ def main():
                "--no-dynamic-sampling", "--eval-problems", "0", "--save-every", "1000000", "--num-prompts", "16",
                *per_pass]
     cmd += args.extra.split()
+    if args.nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", *cmd[1:]]
     peak, est = run(cmd, home)
     stage = "sft" if args.mode == "sft" else "rl"
     try:
         own = f"{logged_peak(home, stage):.2f} GiB"
     except (OSError, ValueError):
         own = "-"
-    print(f"{args.mode} {shape} ({args.repo}): process peak {peak:.2f} GiB; run's own peak {own}; "
-          f"estimate {'-' if est is None else f'{est:.2f} GiB'}")
+    seconds = "-"
+    try:
+        with open(os.path.join(home, stage, "default", "metrics.jsonl")) as f:
+            times = [json.loads(line)["time"] for line in f if '"loss"' in line]
+        seconds = f"{times[-1] - times[-2]:.1f} s" if len(times) > 1 else "-"
+    except (OSError, KeyError):
+        pass
+    print(f"{args.mode} {shape} x{args.nproc} {args.extra} ({args.repo}): process peak {peak:.2f} GiB; run's own peak "
+          f"{own}; estimate {'-' if est is None else f'{est:.2f} GiB'}; last step {seconds}")
 
 
 if __name__ == "__main__":
