@@ -209,6 +209,8 @@ class Engine:
         return self._prepared
 
     @torch.inference_mode()  # as no_grad, and no autograd bookkeeping per op (~10% of a small decode step)
+    @torch.autocast("cuda", enabled=False)  # the weights are already in the compute dtype, and the head must
+    @torch.autocast("cpu", enabled=False)   # stay float32, whatever the caller's context
     def generate(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, top_p=None,
                  seed=0, max_tool_turns=4, return_stats=False, stream=None):
         """Sample `num_samples` completions for each prompt (a list of token-id lists).

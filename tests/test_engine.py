@@ -420,3 +420,11 @@ def test_bf16_decode_step_matches_the_module_forward_cpu():
 def test_engine_trainer_logprob_gap_cpu():
     gap, mean_logprob = check_logprob_gap("cpu", SMALL_QWEN3, prompts=2, samples=2, prompt_len=8, new_tokens=16)
     assert mean_logprob < -0.5 and gap < 0.02, (gap, mean_logprob)
+
+
+def test_a_callers_autocast_changes_nothing(tok, peaked):
+    eng = Engine(peaked, tok)
+    want = eng.generate(prompts_of(tok, 2), num_samples=2, max_new_tokens=8, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = eng.generate(prompts_of(tok, 2), num_samples=2, max_new_tokens=8, seed=0)
+    assert [(o.tokens, o.logprobs) for o in got] == [(o.tokens, o.logprobs) for o in want]
