@@ -21,10 +21,10 @@ import time
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_batch,
-                    make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config, progress,
-                    epoch_batch, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, broadcast_parameters, check_finite,
+                    cleanup_dist, epoch_batch, init_dist, load_training_state, lr_at, make_batch, make_optimizer,
+                    nanopost_home, optimizer_step, pack_bfd, print0, print_config, progress, resume_checkpoint,
+                    run_dir, run_main, save_checkpoint, seed_everything, set_lr, write_eval)
 from model import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +50,7 @@ parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--warmup-steps", type=int, default=30)
 parser.add_argument("--weight-decay", type=float, default=0.1)
 parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
 parser.add_argument("--compile", action="store_true", help="torch.compile the model (+~20%% after a ~30 s compile)")
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=100)
@@ -103,7 +104,7 @@ def eval_loss(model, examples, rows, pad_id, seq_len, device, batch_size=32):
     for i in range(0, len(rows), batch_size):
         x, y, d = make_batch(examples, rows[i:i + batch_size], pad_id, seq_len, "bfd", device)
         with autocast(device):
-            total += model(x, y, doc_ids=d, reduction="sum").item()
+            total -= model(x, y, doc_ids=d).sum().item()
         count += (y != IGNORE).sum().item()
     model.train()
     return total / count
@@ -126,7 +127,7 @@ def eval_samples(model, tok, n, seed, max_new_tokens=160):
     }, [(p.question, t) for p, t in zip(problems[:3], texts[:3])]
 
 
-if __name__ == "__main__":
+def main():
     args = parser.parse_args()
     dist = init_dist(args.device)
     device = dist.device
@@ -146,8 +147,8 @@ if __name__ == "__main__":
            f"{args.steps * args.batch_size / len(train_rows):.2f} epochs")
 
     if args.batch_size % (args.device_batch_size * dist.world_size):
-        parser.error(f"--batch-size {args.batch_size} must be a multiple of --device-batch-size x ranks "
-                     f"({args.device_batch_size} x {dist.world_size})")
+        raise UserError(f"--batch-size {args.batch_size} must be a multiple of --device-batch-size x ranks "
+                        f"({args.device_batch_size} x {dist.world_size})")
     accum = args.batch_size // (args.device_batch_size * dist.world_size)
     config = GPTConfig(vocab_size=tok.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
                        n_embd=args.n_embd, head_dim=args.n_embd // args.n_head, intermediate_size=4 * args.n_embd,
@@ -156,16 +157,14 @@ if __name__ == "__main__":
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if args.resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is None:
-            print0(f"--resume: no checkpoint in {out_dir}; starting from scratch")
-        else:
-            model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
-            optimizer = make_optimizer(model, args.lr, args.weight_decay)
-            start_step = load_training_state(ckpt, optimizer)["step"]
-            print0(f"resumed from {ckpt} at step {start_step}")
+        ckpt = resume_checkpoint(out_dir)
+        model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
+        optimizer = make_optimizer(model, args.lr, args.weight_decay)
+        start_step = load_training_state(ckpt, optimizer)["step"]
+        print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)  # a fresh run starts a fresh log
+    model.grad_checkpointing = args.grad_checkpointing
     print0(f"model: {model.num_params():,} parameters, {config}")
     broadcast_parameters(model)
     fwd = torch.compile(model) if args.compile else model
@@ -184,8 +183,8 @@ if __name__ == "__main__":
         loss_sum = 0.0
         for x, y, d in micro:
             with autocast(device):
-                loss = fwd(x, y, doc_ids=d, reduction="sum") / n_global
-            check_finite(loss, step)
+                loss = -fwd(x, y, doc_ids=d).sum() / n_global  # the next-token loss on every token
+            check_finite(loss, step + 1)
             loss.backward()
             loss_sum += loss.item()
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
@@ -213,3 +212,7 @@ if __name__ == "__main__":
         log.log(args.steps, **{f"final/{k}": v for k, v in scores.items()})
         write_eval(out_dir, scores)
     cleanup_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -24,11 +24,10 @@ import os
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_batch,
-                    make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config, progress,
-                    epoch_batch, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr,
-                    write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, broadcast_parameters, check_finite,
+                    cleanup_dist, epoch_batch, init_dist, load_training_state, lr_at, make_batch, make_optimizer,
+                    nanopost_home, optimizer_step, pack_bfd, print0, print_config, progress, resolve_model_path,
+                    resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr, write_eval)
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
@@ -56,6 +55,7 @@ parser.add_argument("--sample-every", type=int, default=0, help="steps between s
 parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
 parser.add_argument("--compile", action="store_true")
 
 
@@ -74,15 +74,17 @@ def sft_example(ids, mask):
     return ids[:-1], targets
 
 
-def sft_loss(per_token_loss, targets, num_trained_global):
-    """Sum of the per-token cross-entropy over trained tokens, divided by the number of trained tokens
-    in the WHOLE global batch (all micro-batches, all ranks). Dividing each micro-batch by its own
-    count instead would weight a token of a short micro-batch more than one of a long one, and make the
-    gradient depend on how the batch was split (open-instruct#1137, verl#5625).
+def sft_loss(token_logprobs, num_trained_global):
+    """The cross-entropy -log p summed over the trained tokens (the model's log-probs are 0 elsewhere),
+    divided by the number of trained tokens in the WHOLE global batch (all micro-batches, all ranks).
+    Dividing each micro-batch by its own count instead would weight a token of a short micro-batch more
+    than one of a long one, and make the gradient depend on how the batch was split (open-instruct#1137,
+    verl#5625).
 
-    Worked numbers (seed, the twelve-token example): five graded tokens with p = 0.40, 0.85, 0.92, 0.78,
-    0.96 give -log(0.40*0.85*0.92*0.78*0.96) = 1.4515, / 5 = 0.2903; grading all twelve gives 0.5710."""
-    return (per_token_loss * (targets != IGNORE)).sum() / num_trained_global
+    Example, a twelve-token conversation: five answer tokens predicted at p = 0.40, 0.85, 0.92, 0.78,
+    0.96 give -log(0.40*0.85*0.92*0.78*0.96) = 1.4515, / 5 = 0.2903; grading all twelve (the seven prompt
+    tokens at a mean penalty of 0.7715 too) gives 0.5710: training on the prompt roughly doubles it."""
+    return -token_logprobs.sum() / num_trained_global
 
 
 # ------------------------------------------------------------------------------------------------
@@ -121,30 +123,29 @@ def validation_loss(model, examples, rows, pad_id, seq_len, packing, device, bat
     for i in range(0, len(rows), batch_size):
         x, y, d = make_batch(examples, rows[i:i + batch_size], pad_id, seq_len, packing, device)
         with autocast(device):
-            total += model(x, y, doc_ids=d, reduction="sum").item()
+            total -= model(x, y, doc_ids=d).sum().item()
         count += (y != IGNORE).sum().item()
     model.train()
     return total / max(1, count)
 
 
-if __name__ == "__main__":
+def main():
     from chat_eval import evaluate_chat
     from model import GPT
     from tasks import load_sft, rl_prompts, sft_conversations
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
+    # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
     dist = init_dist(args.device)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_sft")
     out_dir = run_dir("sft", args.run_name)
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
-
-    # data first: a malformed file fails before any model is loaded
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"))
     tok = Tokenizer.load(init)
-    train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
     val_rows = sft_conversations("val", args.num_val, seed=args.seed) if not args.data else \
         train_rows[-max(1, len(train_rows) // 50):]  # a user file: hold out its last 2%
     if args.data:
@@ -152,7 +153,7 @@ if __name__ == "__main__":
     train_ex, counts = render_examples(tok, train_rows, args.seq_len, args.overlong)
     val_ex, _ = render_examples(tok, val_rows, args.seq_len, args.overlong)
     if not train_ex:
-        raise SystemExit(f"no training conversation fits in --seq-len {args.seq_len}: {counts}")
+        raise UserError(f"no training conversation fits in --seq-len {args.seq_len}: {counts}")
     rows = build_rows(train_ex, args.seq_len, args.packing)
     val_batches = build_rows(val_ex, args.seq_len, args.packing)
     n_tokens = sum(len(x) for x, _ in train_ex)
@@ -165,14 +166,15 @@ if __name__ == "__main__":
 
     per_step = args.batch_size
     if per_step % (args.device_batch_size * dist.world_size):
-        parser.error(f"--batch-size must be a multiple of --device-batch-size x ranks "
-                     f"({args.device_batch_size} x {dist.world_size})")
+        raise UserError(f"--batch-size {per_step} must be a multiple of --device-batch-size x ranks "
+                        f"({args.device_batch_size} x {dist.world_size})")
     accum = per_step // (args.device_batch_size * dist.world_size)
     steps_per_epoch = math.ceil(len(rows) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
 
-    ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)
+    ckpt = resume_checkpoint(out_dir) if args.resume else None
+    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)  # float32 master weights
+    model.grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:
@@ -201,8 +203,8 @@ if __name__ == "__main__":
         loss_sum = 0.0
         for x, y, d in micro:
             with autocast(device):
-                loss = sft_loss(fwd(x, y, doc_ids=d, reduction="none"), y, n_global)
-            check_finite(loss, step)
+                loss = sft_loss(fwd(x, y, doc_ids=d), n_global)
+            check_finite(loss, step + 1)
             loss.backward()
             loss_sum += loss.item()
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
@@ -229,3 +231,7 @@ if __name__ == "__main__":
         log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
         write_eval(out_dir, scores)
     cleanup_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

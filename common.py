@@ -105,6 +105,32 @@ def all_reduce_sum(x):
     return t.item()
 
 
+def all_reduce_dict(values: dict, keys=None) -> dict:
+    """Sum named numbers across ranks in one collective. keys: the names, in the same order on every rank
+    (default: sorted names; a name a rank does not have counts 0 there)."""
+    keys = list(keys) if keys is not None else sorted(values)
+    t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64, device=_DIST.device)
+    return dict(zip(keys, all_reduce_sum(t).tolist()))
+
+
+def all_reduce_max(x):
+    """The maximum of a Python number across ranks."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(float(x), dtype=torch.float64, device=_DIST.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def global_mean_var(x, mask=None):
+    """Mean and (population) variance of x (over the mask's 1s) across the WHOLE batch, all ranks."""
+    mask = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    n = max(1.0, all_reduce_sum(float(mask.sum())))
+    mean = all_reduce_sum(float((x * mask).sum())) / n
+    var = all_reduce_sum(float((((x - mean) * mask) ** 2).sum())) / n
+    return mean, var
+
+
 def broadcast_parameters(model):
     """Every rank starts from rank 0's weights (per-rank seeds would otherwise initialize them apart)."""
     if dist.is_initialized():
@@ -277,8 +303,17 @@ def resolve_model_path(path: str) -> str:
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"{path}: neither a model folder (config.json) nor a run directory with "
-                                f"checkpoints; run the previous stage first or pass --init PATH")
+        raise UserError(f"{path}: neither a model folder (config.json) nor a run directory with checkpoints; "
+                        f"run the previous stage first or pass --init PATH")
+    return ckpt
+
+
+def resume_checkpoint(run_path: str) -> str:
+    """The checkpoint --resume continues from: the run's latest complete one (a folder still being
+    written, step_*.tmp, is never picked up)."""
+    ckpt = latest_checkpoint(run_path)
+    if ckpt is None:
+        raise UserError(f"--resume: no checkpoint in {run_path}; start the run without --resume")
     return ckpt
 
 
@@ -297,7 +332,7 @@ def load_training_state(ckpt, optimizer=None) -> dict:
                                              weights_only=False))
     rng_file = os.path.join(ckpt, f"rng_rank{_DIST.rank}.pt")
     if not os.path.isfile(rng_file):
-        raise FileNotFoundError(f"{rng_file} missing: resume with the same number of ranks as the saved run")
+        raise UserError(f"{rng_file} missing: resume with the same number of ranks as the saved run")
     s = torch.load(rng_file, weights_only=False)
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
@@ -388,6 +423,32 @@ def make_batch(examples, rows, pad_id, seq_len, packing, device):
     cols = [collate(examples, row, pad_id, length) for row in rows]
     x, y, d = (torch.tensor([c[k] for c in cols], device=device) for k in range(3))
     return x, y, (d if packing == "bfd" else None)
+
+
+def micro_batches(lengths, max_tokens: int, packed=False) -> list[list[int]]:
+    """Sequences grouped into forward passes of at most max_tokens tokens each, so that long sequences
+    cannot blow up a fixed row count. Padded (packed=False): a pass is as long as its longest sequence, so
+    it costs count x longest; sequences are sorted by length first (little padding). Packed: a pass costs
+    the sum of its lengths; the order is kept. A sequence longer than max_tokens is a pass of its own.
+    Every rank must run as many passes as the others (a collective per pass under DDP/FSDP): the count is
+    agreed over ranks with an all-reduce, and a rank with fewer pads its list with empty passes ([]).
+    Example: lengths [5, 30, 8, 31], max_tokens 64 -> [[0, 2], [1, 3]] (2 x 8 and 2 x 31 tokens);
+    packed -> [[0, 1, 2], [3]] (43 and 31 tokens)."""
+    order = range(len(lengths)) if packed else sorted(range(len(lengths)), key=lambda i: int(lengths[i]))
+    passes, current, cost = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        new_cost = cost + n if packed else (len(current) + 1) * n
+        if current and new_cost > max_tokens:
+            passes.append(current)
+            current, new_cost = [], n
+        current.append(i)
+        cost = new_cost
+    if current:
+        passes.append(current)
+    n = int(all_reduce_max(len(passes)))
+    return passes + [[] for _ in range(n - len(passes))]
+
 
 
 # ------------------------------------------------------------------------------------------------

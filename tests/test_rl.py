@@ -11,8 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from chat_eval import pass_at_k
-from chat_rl import (group_advantages, kl_penalty, loss_normalizer, overlong_penalty, policy_loss,
-                     rollout_tensors, tis_weights)
+from chat_rl import group_advantages, loss_normalizer, overlong_penalty, policy_loss
+from common import micro_batches
+from rollout import kl_penalty, tis_weights, training_batch
 from engine import Completion
 from model import GPT, GPTConfig
 
@@ -87,7 +88,7 @@ def test_clipped_token_has_no_gradient_in_ppo_but_keeps_it_in_cispo():
     grads = {}
     for kind in ("ppo", "cispo"):
         logp = (OLD + DELTA).clone().requires_grad_(True)
-        loss, _ = policy_loss(logp, OLD, torch.tensor([1.0]), torch.ones(1, 5), kind=kind)
+        loss, _ = policy_loss(logp, OLD, torch.tensor([1.0]), torch.ones(1, 5), loss_type=kind)
         loss.backward()
         grads[kind] = logp.grad[0]
     assert grads["ppo"][2] == 0                                 # t3 is above 1.2: PPO drops it
@@ -197,13 +198,23 @@ def test_rollout_mask_covers_exactly_the_sampled_tokens():
     prompts = [[5, 6, 7], [8, 9]]
     c0 = Completion(0, tokens=[10, 11, 12, 13], logprobs=[-.1, 0.0, 0.0, -.4], mask=[1, 0, 0, 1], finish_reason="stop")
     c1 = Completion(1, tokens=[20, 21], logprobs=[-.2, -.3], mask=[1, 1], finish_reason="length")
-    x, y, m, eng, _ = rollout_tensors(prompts, [c0, c1], torch.zeros(2), pad_id=0, device="cpu")
-    assert x[0].tolist() == [5, 6, 7, 10, 11, 12] and y[0].tolist() == [6, 7, 10, 11, 12, 13]
-    assert m[0].tolist() == [0, 0, 1, 0, 0, 1]            # forced tool tokens (11, 12) are not trained
-    assert y[1].tolist() == [9, 20, 21, -100, -100, -100] and m[1].tolist() == [0, 1, 1, 0, 0, 0]
-    assert eng[0].tolist() == pytest.approx([0, 0, -.1, 0, 0, -.4])
-    _, _, m2, _, _ = rollout_tensors(prompts, [c0, c1], torch.zeros(2), 0, "cpu", mask_truncated=True)
-    assert m2[1].sum() == 0 and m2[0].sum() == 2          # a truncated answer gives no gradient
+    b = training_batch(prompts, [c0, c1], pad_id=0, device="cpu")
+    assert b.inputs[0].tolist() == [5, 6, 7, 10, 11, 12] and b.targets[0].tolist() == [-100, -100, 10, -100, -100, 13]
+    assert b.mask[0].tolist() == [0, 0, 1, 0, 0, 1]            # forced tool tokens (11, 12) are not trained
+    assert b.inputs[1].tolist()[:3] == [8, 9, 20] and b.targets[1].tolist() == [-100, 20, 21, -100, -100, -100]
+    assert b.mask[1].tolist() == [0, 1, 1, 0, 0, 0] and b.lengths.tolist() == [6, 3]
+    assert b.engine_logp[0].tolist() == pytest.approx([0, 0, -.1, 0, 0, -.4])
+    b2 = training_batch(prompts, [c0, c1], 0, "cpu", mask_truncated=True)
+    assert b2.mask[1].sum() == 0 and b2.mask[0].sum() == 2    # a truncated answer gives no gradient
+
+
+def test_micro_batches_fit_the_token_budget():
+    assert micro_batches([5, 30, 8, 31], 64) == [[0, 2], [1, 3]]
+    lengths = [3, 17, 9, 40, 2, 25, 25, 8]
+    passes = micro_batches(lengths, 50)
+    assert sorted(i for p in passes for i in p) == list(range(8))            # every row exactly once
+    assert all(len(p) * max(lengths[i] for i in p) <= 50 for p in passes)    # each pass fits the budget
+    assert micro_batches([70, 3], 50) == [[1], [0]]                          # too long: a pass of its own
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,11 +238,11 @@ def synthetic_batch():
 
 
 def grad_of(model, prompts, comps, adv, agg):
-    x, y, m, eng, a = rollout_tensors(prompts, comps, adv, 0, "cpu")
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
     from common import all_reduce_sum
-    norm = all_reduce_sum(loss_normalizer(m, agg))
-    old = model.token_logprobs(x, y).detach() - 0.05
-    loss, _ = policy_loss(model.token_logprobs(x, y), old, a, m, agg=agg, normalizer=norm, max_len=16)
+    norm = all_reduce_sum(loss_normalizer(b.mask, agg))
+    old = model(b.inputs, b.targets).detach() - 0.05
+    loss, _ = policy_loss(model(b.inputs, b.targets), old, adv, b.mask, agg=agg, normalizer=norm, max_len=16)
     loss.backward()
     from common import sync_gradients
     sync_gradients(model)

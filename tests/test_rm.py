@@ -7,9 +7,10 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from chat_rm import (last_token_values, lm_regularizer, load_reward_model, parse_kinds, render_pairs, reward_loss,
-                     rm_sequence, score, vocab_head)
+from chat_rm import lm_regularizer, parse_kinds, render_pairs, reward_loss, rm_sequence, vocab_head
+from rewards import last_token_values, load_reward_model, score
 from common import IGNORE, pack_sequences
 from model import GPT, GPTConfig
 from tasks import PREFERENCE_KINDS, preference_pairs
@@ -116,7 +117,9 @@ def test_lm_regularizer_is_the_chat_models_loss_on_the_chosen_answers(tok, tmp_p
         n = int((targets != IGNORE).sum())
         with torch.no_grad():
             got = lm_regularizer(rm.hidden_states(ids, doc_ids=docs), targets, vocab, n)
-            want = sum(lm(torch.tensor([c]), targets=torch.tensor([t]), reduction="sum") for c, _, _, t in pairs) / n
+            # the chat model's own summed next-token loss, from its full logits
+            want = sum(F.cross_entropy(lm(torch.tensor([c]))[0], torch.tensor(t), ignore_index=IGNORE, reduction="sum")
+                       for c, _, _, t in pairs) / n
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -156,8 +159,8 @@ def rm_run(home, init, *extra, nproc=1):
 
 
 def test_ddp_and_accumulation_equal_one_big_batch_and_the_rm_loads(tmp_path, tiny_chat):
-    one = rm_run(tmp_path / "one", tiny_chat, "--device-batch-size", "8", "--lm-coef", "0.5")
-    ddp = rm_run(tmp_path / "ddp", tiny_chat, "--device-batch-size", "2", "--lm-coef", "0.5", nproc=2)  # 2 x 2
+    one = rm_run(tmp_path / "one", tiny_chat, "--micro-batch-tokens", "100000", "--lm-coef", "0.5")
+    ddp = rm_run(tmp_path / "ddp", tiny_chat, "--micro-batch-tokens", "250", "--lm-coef", "0.5", nproc=2)  # micro-batches of ~1 pair
     assert len(one) == len(ddp) == 3 and abs(one[0]["reward_loss"] - math.log(2)) < 1e-5  # zero head: scores 0
     assert one[0]["lm_loss"] > 0 and abs(one[0]["loss"] - one[0]["reward_loss"] - 0.5 * one[0]["lm_loss"]) < 1e-5
     for a, b in zip(one, ddp):  # the LM regularizer's token mean included

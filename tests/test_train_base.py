@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from common import latest_checkpoint, list_checkpoints, resolve_model_path, save_checkpoint
+from common import UserError, latest_checkpoint, list_checkpoints, resolve_model_path, save_checkpoint
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (tmp_path / "checkpoints" / "step_000004.tmp" / "config.json").write_text("{")
     assert latest_checkpoint(str(tmp_path)).endswith("step_000003")
     assert resolve_model_path(str(tmp_path)).endswith("step_000003")
-    with pytest.raises(FileNotFoundError, match="run the previous stage"):
+    with pytest.raises(UserError, match="run the previous stage"):
         resolve_model_path(str(tmp_path / "nothing"))
 
 
