@@ -44,7 +44,6 @@ assistant turn's text (tokenizer.render_tool_responses); they are fed one per de
 and log-prob 0, then the row samples again. The completion is therefore the very token sequence the
 trainer will score: nothing is decoded to text and re-tokenized.
 """
-import contextlib
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -208,11 +207,6 @@ class Engine:
             raise RuntimeError("the model's weights changed inside `with engine.prepared():`; the engine would "
                                "sample from stale copies. Update the weights outside the block, or enter it again")
         return self._prepared
-
-    @contextlib.contextmanager
-    def prepared(self):
-        """Generate calls inside share one preparation of the weights (today each reads the model directly)."""
-        yield self
 
     @torch.inference_mode()  # as no_grad, and no autograd bookkeeping per op (~10% of a small decode step)
     @torch.autocast("cuda", enabled=False)  # the weights are already in the compute dtype, and the head must

@@ -307,13 +307,13 @@ def test_bf16_logprobs_match_the_trainers_recomputation(tok, peaked):
     for o in outs:
         seq = prompts[o.prompt_index] + o.tokens
         with torch.no_grad(), autocast("cpu", torch.bfloat16):
-            lp = peaked.token_logprobs(torch.tensor([seq[:-1]]), torch.tensor([seq[1:]]), temperature=0.8)
+            lp = peaked(torch.tensor([seq[:-1]]), torch.tensor([seq[1:]]), temperature=0.8)
         lp = lp[0, len(prompts[o.prompt_index]) - 1:].float()
         gaps.append((torch.tensor(o.logprobs) - lp).abs())
         logps.append(lp)
     gaps, logps = torch.cat(gaps), torch.cat(logps)
     assert logps.mean() < -0.5  # really sampling from spread distributions
-    assert gaps.mean() < 0.02 and gaps.max() < 0.1, (gaps.mean(), gaps.max())
+    assert gaps.mean() < 0.01 and gaps.max() < 0.05, (gaps.mean(), gaps.max())  # measured: 0.0016, 0.015
 
 
 def test_fp32_logprobs_match_the_trainers_recomputation(tok, peaked):
@@ -322,7 +322,7 @@ def test_fp32_logprobs_match_the_trainers_recomputation(tok, peaked):
     for o in outs:
         seq = prompts[o.prompt_index] + o.tokens
         with torch.no_grad():
-            lp = peaked.token_logprobs(torch.tensor([seq[:-1]]), torch.tensor([seq[1:]]), temperature=0.8)
+            lp = peaked(torch.tensor([seq[:-1]]), torch.tensor([seq[1:]]), temperature=0.8)
         torch.testing.assert_close(torch.tensor(o.logprobs), lp[0, len(prompts[o.prompt_index]) - 1:], atol=1e-5, rtol=0)
 
 

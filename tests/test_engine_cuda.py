@@ -77,7 +77,7 @@ def check_logprob_gap(device, cfg, prompts=8, samples=4, prompt_len=32, new_toke
         batch, num_samples=samples, max_new_tokens=new_tokens, temperature=1.0, seed=0)
     seqs = torch.tensor([batch[o.prompt_index] + o.tokens for o in outs], device=device)
     with autocast(device, torch.bfloat16):
-        trainer = master.token_logprobs(seqs[:, :-1], seqs[:, 1:])[:, prompt_len - 1:].float()
+        trainer = master(seqs[:, :-1], seqs[:, 1:])[:, prompt_len - 1:]
     engine = torch.tensor([o.logprobs for o in outs], device=device)
     return (engine - trainer).abs().mean().item(), trainer.mean().item()
 
