@@ -85,14 +85,14 @@ def load(path, device):
     """The chat model and tokenizer at `path`, in the compute dtype (nothing here trains)."""
     from model import GPT
     from tokenizer import Tokenizer
+    path = resolve_model_path(path)  # a UserError naming the path when there is nothing to load
     try:
-        path = resolve_model_path(path)
         tok = Tokenizer.load(path)
-        model = GPT.from_hf(path, dtype=compute_dtype(device), device=device)
-    except (FileNotFoundError, ValueError) as e:  # no such folder, no tokenizer.json, no ChatML tokens
-        raise UserError(f"--init {path}: {e}") from None
+    except (FileNotFoundError, ValueError) as e:  # no tokenizer.json, or no ChatML tokens in it
+        raise UserError(str(e) if path in str(e) else f"{path}: {e}") from None
+    model = GPT.from_hf(path, dtype=compute_dtype(device), device=device)
     if model.config.head != "lm":
-        raise UserError(f"--init {path}: a reward model or critic (one score per token), not a chat model")
+        raise UserError(f"{path}: a reward model or critic (one score per token), not a chat model")
     return model.eval(), tok
 
 
