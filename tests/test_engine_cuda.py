@@ -1,7 +1,9 @@
 """The engine in bfloat16 on a GPU (skipped without CUDA; runs/gpu_check.sh runs them): the fused bf16
-decode_step against the module forward, and the engine/trainer log-prob gap on a Qwen3-0.6B-shaped
-random model with the real vocabulary. The checks are functions of the device, so tests/test_engine.py
-runs them on CPU too, at a small size."""
+decode_step against the module forward, the engine/trainer log-prob gap on a Qwen3-0.6B-shaped random
+model with the real vocabulary, and one host sync per decoded token. The first two checks are functions
+of the device, so tests/test_engine.py runs them on CPU too, at a small size."""
+
+import warnings
 
 import pytest
 import torch
@@ -93,3 +95,24 @@ def test_engine_trainer_logprob_gap_qwen3_shape_cuda():
     print(f"engine/trainer log-prob gap {gap:.4f} nats (mean sampled log-prob {mean_logprob:.2f})")
     assert mean_logprob < -0.5
     assert gap < 0.02
+
+
+@needs_cuda
+def test_one_host_sync_per_decoded_token_cuda():
+    # torch's sync debug mode warns at every operation that makes the host wait for the GPU: a decode step
+    # may make one (how many rows are live), plus a few per generate (prefill, the results at the end)
+    cfg = GPTConfig(vocab_size=4096, n_layer=2, n_head=8, n_kv_head=4, n_embd=256, head_dim=64,
+                    intermediate_size=512, max_seq_len=256)
+    engine = Engine(random_model(cfg, "cuda", norm_gain=1.0), NoStopTokenizer(), dtype=torch.bfloat16)
+    prompts = torch.randint(1, cfg.vocab_size, (4, 16)).tolist()
+    engine.generate(prompts, max_new_tokens=4)  # warm up
+    steps = 64
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.generate(prompts, num_samples=4, max_new_tokens=steps, seed=0)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    assert steps <= syncs <= steps + 16, syncs
