@@ -75,21 +75,27 @@ def sample_next(logits, temperature, top_k, top_p, uniform):
 
     Inverse CDF: the first token whose cumulative probability exceeds u * total. The same distribution as
     torch.multinomial, 5x faster at 16 rows and 12x at 512 on CPU (benchmarks/bench_engine.py). The sum
-    runs in float64: at a vocabulary of 151,936 a float32 running sum near 1 moves in steps of 6e-8, so a
-    token below ~3e-8 of it adds nothing and can never be drawn (with token 0 at 0.997 and the other
-    151,935 at 2e-8 each, a float32 CDF never draws the tail of mass 0.003; tests/test_engine.py)."""
+    runs in float64: a float32 CDF near 1 moves in steps of 6e-8, so a token below ~3e-8 gets an empty
+    interval and can never be drawn (with token 0 at 0.997 and 151,935 tokens at 1e-8 to 3e-8, only
+    47,819 of the 151,936 could be; tests/test_engine.py draws every one)."""
     if temperature == 0:
+        logits = logits.float()
         tok = logits.argmax(-1)
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
-        return tok, lp
-    logp = torch.log_softmax(process_logits(logits, temperature, top_k, top_p), -1)
-    cdf = logp.exp().cumsum(-1, dtype=torch.float64)
+        return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    logits = process_logits(logits, temperature, top_k, top_p)
+    peak = logits.amax(-1, keepdim=True)
+    # unnormalized probabilities in place, then one float64 copy summed in place: at 64 rows x 151,936
+    # tokens the sampler's temporaries are 3x the logits
+    cdf = (logits - peak).exp_().double().cumsum_(-1)
     total = cdf[:, -1:]
     # u * total kept strictly below the total: the first index whose CDF exceeds it then always exists, and
     # a token of probability 0 (cut by top-k / top-p) is never that index, its CDF being the one before it
     target = torch.minimum(uniform.view(logits.size(0), -1) * total, torch.nextafter(total, torch.zeros_like(total)))
     tok = torch.searchsorted(cdf, target, right=True)
-    return tok.view(uniform.shape), logp.gather(-1, tok).view(uniform.shape)
+    # its log-prob as the trainer computes it, logit - logsumexp (model.logprobs_from_logits), the logsumexp
+    # from the float64 sum (float32 log_softmax on CPU sums 151,936 exponentials in float32: off by 4e-4)
+    logsumexp = peak + total.log().float()
+    return tok.view(uniform.shape), (logits.gather(-1, tok) - logsumexp).view(uniform.shape)
 
 
 def run_tool_calls(text: str, tools: dict) -> list[str]:
