@@ -5,26 +5,55 @@ Batched KV-cache sampling on the training device, token in, token out.
     outs = engine.generate(prompts, num_samples=8, max_new_tokens=256, temperature=1.0, seed=0)
     outs[i].tokens, outs[i].logprobs, outs[i].mask, outs[i].finish_reason
 
-How a batch runs: the prompts are left-padded into one (P, L) batch whose padding is a document of
-its own (so no prompt token ever attends to it, and positions start at 0 at each prompt's first
-token), prefilled once, and the cache is repeated `num_samples` times. Then one decode step per token
-for the whole batch. A row stops at any stop id (<|im_end|>, <|endoftext|>); rows that have stopped are
-dropped from the batch, and the loop ends when none is left.
+The weights it samples with. `Engine.prepare()` reads the model once, parameter by parameter through
+`_full_weight`, into everything the decode loop uses: a plain (unwrapped) model in the compute dtype
+(bfloat16 on CUDA, float32 on CPU; `Engine(..., dtype=)` overrides), the fused decode weights of
+`GPT.decode_weights`, and the LM head in float32. Master weights already plain and in that dtype (float32
+on CPU) are shared, not copied. Nothing is cast while decoding and no autocast is entered: the KV cache
+is in the compute dtype too. The logits sampled from are `F.linear(h.float(), head_fp32)`, the final hidden
+state cast to float32 times the float32 head, which is how the trainer computes its log-probs: the output
+head is the main source of sampler/trainer mismatch in bfloat16 (MiniMax-M1, arXiv:2506.13585;
+PrimeIntellect-ai/prime-rl#2438).
 
-Tools mid-rollout: when a row ends its turn with a tool call (`</tool_call>` then <|im_end|>), the
-engine parses the call, runs the tool, and forces exactly the tokens the chat renderer puts between
-that <|im_end|> and the next assistant turn's text (tokenizer.render_tool_responses), one per decode
-step with mask 0 and log-prob 0, then keeps sampling. The completion is therefore the very token
-sequence the trainer will score: nothing is decoded to text and re-tokenized.
+`generate` prepares on every call, so it always samples from the weights as they are now. A loop that
+calls it several times on unchanged weights (dynamic sampling's extra rounds) prepares once for all:
+
+    with engine.prepared():
+        for round in range(rounds):
+            outs = engine.generate(...)
+
+Inside such a block, generate raises if a weight changed since (an optimizer step, a load): it never
+samples from stale copies silently.
+
+How a batch runs. The P distinct prompts are left-padded into one (P, L) batch whose padding is a document
+of its own (so no prompt token ever attends to it, and positions start at 0 at each prompt's first token)
+and prefilled once, into a cache of P * num_samples rows allocated once: each prompt's keys and values
+go straight to its num_samples rows. Then one decode step per token for the whole batch. A row stops at
+any stop id (<|im_end|>, <|endoftext|>); a stopped row stays in the batch, masked, its outputs ignored,
+and the batch is compacted in place only when the live rows fall to half or fewer: at most log2(rows)
+compactions, each moving at most half the cache, and never a second cache. Tokens, log-probs, masks and
+stop flags live on the device in preallocated buffers; the host reads one small tensor per step (how
+many rows are live, whether one called a tool) and everything else once, at the end.
+
+Sampling is exact at any vocabulary size: an inverse CDF in float64 (see sample_next).
+
+Tools mid-rollout: when a row ends its turn with a tool call (the token before its <|im_end|> is
+`</tool_call>`, one special token in our tokenizer and in Qwen3's), the host decodes that turn, runs the
+tool, and queues exactly the tokens the chat renderer puts between that <|im_end|> and the next
+assistant turn's text (tokenizer.render_tool_responses); they are fed one per decode step with mask 0
+and log-prob 0, then the row samples again. The completion is therefore the very token sequence the
+trainer will score: nothing is decoded to text and re-tokenized.
 """
-import contextlib
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-from common import autocast
-from model import KVCache, process_logits
+from common import compute_dtype
+from model import GPT, KVCache, process_logits
 from tokenizer import parse_tool_calls
 
 
@@ -38,24 +67,35 @@ class Completion:
     tool_calls: int = 0
 
 
-def sample_next(logits, temperature, top_k, top_p, generator):
-    """Sample one token per row; return it and its log-prob under the distribution it came from.
-    temperature=0 is greedy, and its log-prob is taken under the unscaled distribution."""
+def sample_next(logits, temperature, top_k, top_p, uniform):
+    """Sample from each row of logits (B, V), given uniform draws in [0, 1), float64: uniform (B,) draws
+    one token per row, (B, k) draws k per row from the same distribution. Returns the tokens and their
+    log-probs under the distribution they came from, shaped as uniform. temperature=0 is greedy (one
+    token per row, uniform unused), its log-prob taken under the unscaled distribution.
+
+    Inverse CDF: the first token whose cumulative probability exceeds u * total. The same distribution as
+    torch.multinomial, 5x faster at 16 rows and 12x at 512 on CPU (benchmarks/bench_engine.py). The sum
+    runs in float64: a float32 CDF near 1 moves in steps of 6e-8, so a token below ~3e-8 gets an empty
+    interval and can never be drawn (with token 0 at 0.997 and 151,935 tokens at 1e-8 to 3e-8, only
+    47,819 of the 151,936 could be; tests/test_engine.py draws every one)."""
     if temperature == 0:
+        logits = logits.float()
         tok = logits.argmax(-1)
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, tok[:, None]).squeeze(-1)
-        return tok, lp
-    logp = torch.log_softmax(process_logits(logits, temperature, top_k, top_p), -1)
-    # inverse-CDF sampling: the first token whose cumulative probability exceeds u ~ U(0, total). The same
-    # distribution as torch.multinomial, 5x faster at 16 rows and 12x at 512 on CPU, softmax included
-    # (benchmarks/bench_engine.py). A token of probability 0 adds nothing to the CDF, so it is never the
-    # first to exceed u; `last` guards the one case float rounding leaves, u rounding up to the total.
-    cdf = logp.exp().cumsum(-1)
+        return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - torch.logsumexp(logits, -1)
+    logits = process_logits(logits, temperature, top_k, top_p)
+    peak = logits.amax(-1, keepdim=True)
+    # unnormalized probabilities in place, then one float64 copy summed in place: at 64 rows x 151,936
+    # tokens the sampler's temporaries are 3x the logits
+    cdf = (logits - peak).exp_().double().cumsum_(-1)
     total = cdf[:, -1:]
-    u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device) * total
-    last = (cdf < total).sum(-1, keepdim=True)  # the last token with probability > 0
-    tok = torch.minimum(torch.searchsorted(cdf, u, right=True), last).squeeze(-1)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    # u * total kept strictly below the total: the first index whose CDF exceeds it then always exists, and
+    # a token of probability 0 (cut by top-k / top-p) is never that index, its CDF being the one before it
+    target = torch.minimum(uniform.view(logits.size(0), -1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    tok = torch.searchsorted(cdf, target, right=True)
+    # its log-prob as the trainer computes it, logit - logsumexp (model.logprobs_from_logits), the logsumexp
+    # from the float64 sum (float32 log_softmax on CPU sums 151,936 exponentials in float32: off by 4e-4)
+    logsumexp = peak + total.log().float()
+    return tok.view(uniform.shape), (logits.gather(-1, tok) - logsumexp).view(uniform.shape)
 
 
 def run_tool_calls(text: str, tools: dict) -> list[str]:
@@ -78,24 +118,114 @@ def run_tool_calls(text: str, tools: dict) -> list[str]:
     return results
 
 
+# ------------------------------------------------------------------------------------------------
+# The weights the engine decodes with
+
+def _unwrap(model):
+    """The GPT itself: DistributedDataParallel keeps it as .module."""
+    return getattr(model, "module", model)
+
+
+def _full_weight(p):
+    """A parameter as one whole, plain tensor. The single place the engine reads a weight: a sharded
+    parameter (FSDP2's DTensor) is gathered here, one parameter at a time (a collective: every rank
+    prepares at the same moment, at the start of a rollout phase, never once per decoded token)."""
+    p = p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+@dataclass
+class Prepared:
+    """What generate decodes with (Engine.prepare)."""
+    model: GPT              # plain, in the compute dtype: the prefill runs its forward, decode its decode_step
+    weights: dict           # model.decode_weights(head): the fused per-layer weights and the float32 head
+    head: torch.Tensor      # (V, C) float32: logits = F.linear(h.float(), head)
+    versions: tuple         # the master parameters' version counters at prepare time (a change = an update)
+
+
+def _versions(model):
+    return tuple(0 if p.is_inference() else p._version for p in model.parameters())  # inference tensors: no counter
+
+
+def _write_back(results, rows, **state):
+    """The completion-ordered results, given the batch's state (batch row b holds completion rows[b]).
+    None before the first compaction: the batch is then in completion order, and its buffers are them."""
+    if results is None:
+        return dict(state)
+    for name, value in state.items():
+        results[name][rows] = value
+    return results
+
+
 class Engine:
-    def __init__(self, model, tokenizer, tools: dict | None = None):
+    # compact the batch when the live rows fall to this fraction of it or fewer (1.0: at every stop;
+    # 0.0: never, finished rows stay masked to the end)
+    compact_at = 0.5
+
+    def __init__(self, model, tokenizer, tools: dict | None = None, dtype: torch.dtype | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.tools = tools or {}
+        self.dtype = dtype or compute_dtype(_unwrap(model).device)
+        self._prepared = None
+        self.call_end_id = None
+        if self.tools:
+            self.call_end_id = tokenizer.token_to_id("</tool_call>")
+            if self.call_end_id is None or tokenizer.encode("</tool_call>") != [self.call_end_id]:
+                raise ValueError("tools need `</tool_call>` as one special token in the tokenizer (it is in "
+                                 "Qwen3's and in ours): the engine detects a tool call by it")
 
-    @contextlib.contextmanager
+    @torch.no_grad()
+    def prepare(self) -> Prepared:
+        """Read the model's weights once into what the engine decodes with (see the module docstring)."""
+        master = _unwrap(self.model)
+        params = dict(master.named_parameters())  # a tied head is listed once, as the embedding
+        if all(type(p.detach()) is torch.Tensor and p.dtype == self.dtype for p in params.values()):
+            model = master  # already plain and in the compute dtype (float32 on CPU): share, copy nothing
+        else:
+            with torch.device("meta"):
+                model = GPT(master.config)
+            for name, p in params.items():
+                if name == "lm_head.weight":
+                    continue  # an untied head is only ever used in float32 (below): no compute-dtype copy
+                module_name, _, attr = name.rpartition(".")
+                w = _full_weight(p).to(self.dtype)
+                setattr(model.get_submodule(module_name), attr, nn.Parameter(w, requires_grad=False))
+            if master.config.tie_word_embeddings:
+                model.lm_head.weight = model.model.embed_tokens.weight
+            # the RoPE tables in the compute dtype too, so no step casts them
+            model.rope_cos = master.rope_cos.to(self.dtype)
+            model.rope_signed_sin = master.rope_signed_sin.to(self.dtype)
+        head = _full_weight(master.lm_head.weight).float()  # no copy when the master is float32
+        return Prepared(model=model, weights=model.decode_weights(head), head=head, versions=_versions(master))
+
+    @contextmanager
     def prepared(self):
-        """Generate calls inside share one preparation of the weights (today each reads the model directly)."""
-        yield self
+        """Prepare once for every generate inside the block (the weights must not change inside it)."""
+        self._prepared = self.prepare()
+        try:
+            yield self
+        finally:
+            self._prepared = None
+
+    def _weights(self) -> Prepared:
+        if self._prepared is None:
+            return self.prepare()
+        if _versions(_unwrap(self.model)) != self._prepared.versions:
+            raise RuntimeError("the model's weights changed inside `with engine.prepared():`; the engine would "
+                               "sample from stale copies. Update the weights outside the block, or enter it again")
+        return self._prepared
 
     @torch.inference_mode()  # as no_grad, and no autograd bookkeeping per op (~10% of a small decode step)
+    @torch.autocast("cuda", enabled=False)  # the weights are already in the compute dtype, and the head must
+    @torch.autocast("cpu", enabled=False)   # stay float32, whatever the caller's context
     def generate(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, top_p=None,
-                 seed=0, max_tool_turns=4, return_stats=False):
+                 seed=0, max_tool_turns=4, return_stats=False, stream=None):
         """Sample `num_samples` completions for each prompt (a list of token-id lists).
-        Returns a list of Completion, prompt-major: the samples of prompt i are at i*num_samples + j."""
-        model, tok = self.model, self.tokenizer
-        cfg = model.config
+        Returns a list of Completion, prompt-major: the samples of prompt i are at i*num_samples + j.
+        stream: called after every step with the token each completion got at that step (a list in
+        completion order; None for a completion that had already ended), e.g. to print text as it grows."""
+        tok, cfg = self.tokenizer, _unwrap(self.model).config
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs a non-empty list of non-empty prompts")
         if any(max(p) >= cfg.vocab_size or min(p) < 0 for p in prompts):
@@ -104,70 +234,122 @@ class Engine:
         if longest + max_new_tokens > cfg.max_seq_len:
             raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's max_seq_len ({cfg.max_seq_len}); shorten the prompt or max_new_tokens")
-        was_training = model.training
-        model.eval()
-        device = model.device
-        dtype = model.model.embed_tokens.weight.dtype
-        gen = torch.Generator(device=device).manual_seed(seed)
         t_start = time.perf_counter()
+        prep = self._weights()
+        model, device = prep.model, prep.model.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        P, N = len(prompts), num_samples
+        R = P * N  # completion r is sample r % N of prompt r // N
 
-        # prefill the distinct prompts once, left-padded; padding is document 0, the prompt document 1
-        P = len(prompts)
+        # prefill the distinct prompts once, left-padded (padding is document 0, the prompt document 1),
+        # into a cache of R rows: each prompt's keys and values go to its N rows
         ids = torch.full((P, longest), tok.pad_id, dtype=torch.long)
         doc = torch.zeros((P, longest), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, longest - len(p):] = torch.tensor(p)
             doc[i, longest - len(p):] = 1
-        cache = KVCache(cfg, P, longest + max_new_tokens, device, dtype)
-        with autocast(device):
-            # only the last position's logits are needed: the head on all of them is ~12% of a prefill
-            logits = model.lm_head(model.hidden_states(ids.to(device), doc_ids=doc.to(device), kv_cache=cache)[:, -1])
-        weights = model.decode_weights()  # fused copies for decode_step, from the weights as they are now
-        if num_samples > 1:
-            cache.repeat_rows(num_samples)
-            logits = logits.repeat_interleave(num_samples, dim=0)
+        cache = KVCache(cfg, R, longest + max_new_tokens, device, self.dtype)
+        # only the last position's logits are needed: the head on all of them is ~12% of a prefill
+        h = model.hidden_states(ids.to(device), doc_ids=doc.to(device), kv_cache=cache)[:, -1]
+        logits = F.linear(h.float().repeat_interleave(N, dim=0), prep.head)
 
-        outs = [Completion(prompt_index=i // num_samples) for i in range(P * num_samples)]
-        rows = list(range(len(outs)))       # which completion each live batch row belongs to
-        forced = {r: [] for r in rows}      # tokens still to force into each completion
-        turn_start = {r: 0 for r in rows}   # where the current assistant turn began in the completion
-        stop_ids = tok.stop_ids
+        # the batch's state, on the device: batch row b holds completion rows[b] (the identity until the
+        # first compaction, when these buffers are also the completion-ordered results)
+        rows = torch.arange(R, device=device)
+        live = torch.ones(R, dtype=torch.bool, device=device)
+        length = torch.zeros(R, dtype=torch.long, device=device)  # tokens so far, the stop token included
+        out_tokens = torch.zeros(R, max_new_tokens, dtype=torch.long, device=device)
+        out_logprobs = torch.zeros(R, max_new_tokens, dtype=torch.float32, device=device)
+        out_sampled = torch.ones(R, max_new_tokens, dtype=torch.bool, device=device)  # 0: forced
+        prev = torch.full((R,), -1, dtype=torch.long, device=device)  # each row's previous token
+        forced = torch.zeros(R, 0, dtype=torch.long, device=device)   # tool-result tokens queued per row,
+        forced_len = torch.zeros(R, dtype=torch.long, device=device)  # how many,
+        forced_at = torch.zeros(R, dtype=torch.long, device=device)   # and how many of them already fed
+        forcing_until = -1        # the last step at which a queued token may still be fed (host-side)
+        tool_calls = [0] * R      # per completion (host-side)
+        turn_start = [0] * R      # where each completion's current assistant turn began
+        stop_ids = torch.tensor(sorted(tok.stop_ids), dtype=torch.long, device=device)
+        results, n_batch, compactions = None, R, 0
         for step in range(max_new_tokens):
-            next_tok, next_lp = sample_next(logits, temperature, top_k, top_p, gen)
-            next_tok, next_lp = next_tok.tolist(), next_lp.tolist()
-            keep = []
-            for b, r in enumerate(rows):
-                out = outs[r]
-                if forced[r]:
-                    t, lp, m = forced[r].pop(0), 0.0, 0
-                    if not forced[r]:
-                        turn_start[r] = len(out.tokens) + 1
-                else:
-                    t, lp, m = next_tok[b], next_lp[b], 1
-                out.tokens.append(t)
-                out.logprobs.append(lp)
-                out.mask.append(m)
-                next_tok[b] = t
-                if m == 1 and t in stop_ids:
-                    turn = tok.decode(out.tokens[turn_start[r]:-1])
-                    if self.tools and turn.rstrip().endswith("</tool_call>") and out.tool_calls < max_tool_turns:
-                        out.tool_calls += 1
-                        forced[r] = tok.render_tool_responses(run_tool_calls(turn, self.tools))
-                    else:
-                        out.finish_reason = "stop"
+            # one uniform per completion, whatever the batch layout: compaction never changes a sample
+            uniform = torch.rand(R, generator=gen, dtype=torch.float64, device=device)
+            next_tok, next_lp = sample_next(logits, temperature, top_k, top_p, uniform if n_batch == R else uniform[rows])
+            sampled = None
+            if step <= forcing_until:  # a queued tool result replaces the sample (mask 0, log-prob 0)
+                sampled = forced_at >= forced_len
+                queued = forced.gather(1, forced_at.clamp(max=forced.size(1) - 1)[:, None]).squeeze(1)
+                next_tok = torch.where(sampled, next_tok, queued)
+                next_lp = next_lp.masked_fill(~sampled, 0.0)
+                forced_at += ~sampled
+                out_sampled[:, step] = sampled
+            out_tokens[:, step] = next_tok
+            out_logprobs[:, step] = next_lp
+            ends = live & torch.isin(next_tok, stop_ids)
+            if sampled is not None:
+                ends &= sampled
+            calls = None
+            if self.tools:  # a turn that ends right after </tool_call> is a tool call, not the end
+                calls = ends & (prev == self.call_end_id)
+                ends &= ~calls
+            shown = torch.where(live, next_tok, -1) if stream is not None else None
+            length += live
+            live &= ~ends
+            prev = next_tok
+
+            # the one device-to-host copy of this step: how many rows are live, how many called a tool, and
+            # (streaming) what each completion got
+            report = live.sum()[None] if calls is None else torch.stack([live.sum(), calls.sum()])
+            if stream is not None:
+                step_tokens = torch.full((R,), -1, dtype=torch.long, device=device)
+                step_tokens[rows] = shown
+                report = torch.cat([report, step_tokens])
+            report = report.tolist()
+            n_live, n_calls = report[0], report[1] if calls is not None else 0
+
+            if n_calls:  # the host reads the calling turns, runs the tools, and queues their results
+                calling = calls.nonzero().squeeze(1).tolist()
+                queue = {}
+                for b, r, history in zip(calling, rows[calling].tolist(), out_tokens[calling, :step + 1].tolist()):
+                    if tool_calls[r] >= max_tool_turns:
+                        live[b] = False  # out of tool turns: this turn ends the completion
+                        n_live -= 1
                         continue
-                keep.append(b)
-            if not keep or step == max_new_tokens - 1:
+                    tool_calls[r] += 1
+                    turn = tok.decode(history[turn_start[r]:-1])
+                    queue[b] = tok.render_tool_responses(run_tool_calls(turn, self.tools))
+                    turn_start[r] = step + 1 + len(queue[b])
+                    forcing_until = max(forcing_until, step + len(queue[b]))
+                if queue:
+                    forced = F.pad(forced, (0, max(0, max(map(len, queue.values())) - forced.size(1))))
+                    for b, q in queue.items():
+                        forced[b, :len(q)] = torch.tensor(q, device=device)
+                        forced_len[b], forced_at[b] = len(q), 0
+            if stream is not None:
+                stream([t if t >= 0 else None for t in report[-R:]])
+            if n_live == 0 or step == max_new_tokens - 1:
                 break
-            if len(keep) < len(rows):  # drop finished rows so the batch only pays for live ones
-                cache.keep_rows(torch.tensor(keep, device=device))
-                rows = [rows[b] for b in keep]
-                next_tok = [next_tok[b] for b in keep]
-            with autocast(device):
-                logits = model.decode_step(torch.tensor(next_tok, device=device), cache, weights)
-        model.train(was_training)
+            if n_live <= self.compact_at * n_batch and n_live < n_batch:
+                # few rows are left: move them to the front of the cache, so the batch only pays for them
+                results = _write_back(results, rows, live=live, length=length, tokens=out_tokens,
+                                      logprobs=out_logprobs, sampled=out_sampled)
+                keep = torch.nonzero_static(live, size=n_live).squeeze(1)  # the host knows the count: no sync
+                cache.keep_rows(keep)
+                rows, live, length, prev = rows[keep], live[keep], length[keep], prev[keep]
+                out_tokens, out_logprobs, out_sampled = out_tokens[keep], out_logprobs[keep], out_sampled[keep]
+                forced, forced_len, forced_at = forced[keep], forced_len[keep], forced_at[keep]
+                next_tok, n_batch, compactions = next_tok[keep], n_live, compactions + 1
+            logits = model.decode_step(next_tok, cache, prep.weights)
+        results = _write_back(results, rows, live=live, length=length, tokens=out_tokens,
+                              logprobs=out_logprobs, sampled=out_sampled)
+
+        # the one copy of the results to the host
+        live, length = results["live"].tolist(), results["length"].tolist()
+        tokens, logprobs, sampled = results["tokens"].tolist(), results["logprobs"].tolist(), results["sampled"].tolist()
+        outs = [Completion(prompt_index=r // N, tokens=tokens[r][:length[r]], logprobs=logprobs[r][:length[r]],
+                           mask=[int(m) for m in sampled[r][:length[r]]], finish_reason="length" if live[r] else "stop",
+                           tool_calls=tool_calls[r]) for r in range(R)]
         if return_stats:
             new_tokens = sum(len(o.tokens) for o in outs)
-            return outs, {"new_tokens": new_tokens, "seconds": time.perf_counter() - t_start}
+            return outs, {"new_tokens": new_tokens, "seconds": time.perf_counter() - t_start,
+                          "compactions": compactions}
         return outs
-

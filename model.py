@@ -107,8 +107,13 @@ def apply_rope(x, cos, signed_sin):
 
 
 class KVCache:
-    """Preallocated keys and values for every layer, plus the document id of every cached position
-    (so left padding and packed documents stay isolated while decoding) and each row's next position."""
+    """Preallocated keys and values for every layer, in the dtype the model computes in, plus the document
+    id of every cached position (so left padding and packed documents stay isolated while decoding) and
+    each row's next position.
+
+    A prefill may have fewer rows than the cache: with B prompts and a cache of B * n rows, prompt i's keys
+    and values are written to its n rows i*n ... i*n + n - 1 (one prefill serves n samples of each prompt,
+    and no second cache is ever built to repeat it). Decode steps then run on all the cache's rows."""
 
     def __init__(self, config: GPTConfig, batch_size: int, max_len: int, device, dtype):
         shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
@@ -120,22 +125,43 @@ class KVCache:
         self.max_len = max_len
         self.isolated = True  # whether a decode step must mask other documents (set at prefill)
 
-    def update(self, layer: int, k, v):
-        t0, t1 = self.length, self.length + k.size(2)
-        self.k[layer, :, :, t0:t1] = k
-        self.v[layer, :, :, t0:t1] = v
-        return self.k[layer, :, :, :t1], self.v[layer, :, :, :t1]
+    def _rows_of(self, x):
+        """x (B, ...) of a prefill batch, each row repeated for its group of cache rows (small tensors only)."""
+        n = self.doc.size(0) // x.size(0)
+        return x if n == 1 else x.repeat_interleave(n, dim=0)
 
-    def repeat_rows(self, n: int):
-        """Each row becomes n consecutive rows (one prefill serves n samples of the same prompt)."""
-        self.k = self.k.repeat_interleave(n, dim=1)
-        self.v = self.v.repeat_interleave(n, dim=1)
-        self.doc = self.doc.repeat_interleave(n, dim=0)
-        self.next_pos = self.next_pos.repeat_interleave(n, dim=0)
+    def record_positions(self, doc_ids, pos):
+        """The documents and positions of the T tokens about to be appended (doc_ids, pos: (B, T))."""
+        t0 = self.length
+        self.doc[:, t0:t0 + doc_ids.size(1)] = self._rows_of(doc_ids)
+        self.next_pos = self._rows_of(pos[:, -1] + 1)
+
+    def update(self, layer: int, k, v):
+        """Append k, v (B, H_kv, T, D) at the current length; return the layer's keys and values so far."""
+        t0, t1 = self.length, self.length + k.size(2)
+        rows = self.k.size(1)
+        if k.size(0) == rows:
+            self.k[layer, :, :, t0:t1] = k
+            self.v[layer, :, :, t0:t1] = v
+            return self.k[layer, :, :, :t1], self.v[layer, :, :, :t1]
+        # a prefill of the distinct prompts: each one's keys and values go to its group of rows, broadcast
+        # (no copy of them is built), and its attention needs only its own
+        B = k.size(0)
+        if t0 != 0 or rows % B:
+            raise ValueError(f"a batch of {B} rows can only prefill an empty cache of a multiple of {B} rows, "
+                             f"not {rows} rows at length {t0}")
+        self.k[layer, :, :, :t1].unflatten(0, (B, rows // B)).copy_(k[:, None])
+        self.v[layer, :, :, :t1].unflatten(0, (B, rows // B)).copy_(v[:, None])
+        return k, v
 
     def keep_rows(self, rows):
-        """Keep only these batch rows (finished rows leave the batch)."""
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        """Keep only these batch rows (ascending indices), moved to the front in place, one layer at a time:
+        dropping rows never allocates a second cache (the storage stays; the rows behind are left unused)."""
+        n, t = rows.numel(), self.length
+        for layer in range(self.k.size(0)):
+            self.k[layer, :n, :, :t] = self.k[layer, rows, :, :t]
+            self.v[layer, :n, :, :t] = self.v[layer, rows, :, :t]
+        self.k, self.v = self.k[:, :n], self.v[:, :n]
         self.doc, self.next_pos = self.doc[rows], self.next_pos[rows]
 
 
@@ -344,12 +370,13 @@ class GPT(nn.Module):
                 pos = positions_from_doc_ids(doc_ids)
                 # left padding or packed prompts: decoding must keep masking the other documents (one sync)
                 kv_cache.isolated = bool((doc_ids != doc_ids[:, -1:]).any())
+                kv_cache.record_positions(doc_ids, pos)
+                k_doc = doc_ids  # the prompts attend to themselves (the cache may hold n rows per prompt)
             else:        # decode: every new token continues its row's last document
                 doc_ids = kv_cache.doc[:, t0 - 1:t0].expand(B, T)
                 pos = kv_cache.next_pos[:, None] + torch.arange(T, device=dev)
-            kv_cache.doc[:, t0:t0 + T] = doc_ids
-            kv_cache.next_pos = pos[:, -1] + 1
-            k_doc = kv_cache.doc[:, :t0 + T]
+                kv_cache.record_positions(doc_ids, pos)
+                k_doc = kv_cache.doc[:, :t0 + T]
             if T == 1:  # one decode step sees every cached position of its own document, nothing else
                 mask = (k_doc == doc_ids)[:, None, None] if kv_cache.isolated else None
             else:
@@ -411,14 +438,16 @@ class GPT(nn.Module):
 
     # -- one decode step, fast ----------------------------------------------------------------
 
-    def decode_weights(self):
-        """The weights decode_step reads, fused per layer: q, k and v projections as one matrix, gate and
-        up as one, the q/k-norm gains as one (H + H_kv, D) table, attention's 1/sqrt(D) folded into q
-        (into q's norm gain when there is one: the norm would undo it on the weights). A copy: build it
-        again whenever the weights change (the engine does, once per generate call: one pass over them)."""
+    def decode_weights(self, head=None):
+        """The weights decode_step reads: per layer, fused, the q, k and v projections as one matrix, gate
+        and up as one, the q/k-norm gains as one (H + H_kv, D) table, attention's 1/sqrt(D) folded into q
+        (into q's norm gain when there is one: the norm would undo it on the weights); and `head`, the
+        (V, C) float32 matrix the logits come from (default: this model's lm_head in float32; the engine
+        passes the master weights' own). A copy in this model's dtype: build it again whenever the weights
+        change (the engine does, in Engine.prepare: one pass over them)."""
         assert self.config.head == "lm", "decode_step needs the language-model head"
         scale = self.config.head_dim ** -0.5
-        fused = []
+        layers = []
         for layer in self.model.layers:
             a, mlp = layer.self_attn, layer.mlp
             w_q, qk_gain = a.q_proj.weight, None
@@ -427,17 +456,18 @@ class GPT(nn.Module):
             else:
                 w_q = w_q * scale  # RoPE is linear: scaling q before it is scaling after it
             # o and down are applied as addmm(residual, y, W.T): the residual add rides in the matmul
-            fused.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
-                          a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
-                          torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t()))
-        return fused
+            layers.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
+                           a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
+                           torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t()))
+        return {"layers": layers, "head": self.lm_head.weight.float() if head is None else head}
 
     def decode_step(self, tokens, kv_cache, weights):
-        """Logits (B, V) of one new token per row (tokens: (B,)), appended to kv_cache: the numbers of
-        forward(tokens[:, None], kv_cache=kv_cache)[:, -1], but as one flat function over the fused weights
-        of decode_weights, with q and k normed and rotated together, attention as matmul-softmax-matmul
-        and each residual add inside its matmul. A small model's decode step is mostly per-op overhead,
-        and this runs about half the ops of the module forward (see benchmarks/bench_engine.py)."""
+        """Float32 logits (B, V) of one new token per row (tokens: (B,)), appended to kv_cache: the numbers
+        of F.linear(hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1].float(), weights["head"]), but
+        as one flat function over the fused weights of decode_weights, with q and k normed and rotated
+        together and each residual add inside its matmul. A small model's decode step is mostly per-op
+        overhead, and this runs about half the ops of the module forward (see benchmarks/bench_engine.py).
+        Everything runs in the dtype of this model's weights (the KV cache's too); only the head is float32."""
         c, t = self.config, kv_cache.length
         if not 0 < t < kv_cache.max_len:
             raise ValueError(f"decode_step needs a prefilled KV cache with room: length {t}, max_len {kv_cache.max_len}")
@@ -450,23 +480,23 @@ class GPT(nn.Module):
         cos = self.rope_cos[pos][:, None].to(dtype)  # (B, 1, D): the same for every head
         sin = self.rope_signed_sin[pos][:, None].to(dtype)
         x = self.model.embed_tokens(tokens)  # (B, C)
-        for i, (ln_attn, w_qkv, qk_gain, w_o_t, ln_mlp, w_gate_up, w_down_t) in enumerate(weights):
+        for i, (ln_attn, w_qkv, qk_gain, w_o_t, ln_mlp, w_gate_up, w_down_t) in enumerate(weights["layers"]):
             qkv = F.linear(rms_norm(x, ln_attn, eps), w_qkv).view(B, H + 2 * Hk, D)
             qk, v = qkv[:, :H + Hk], qkv[:, H + Hk:]
             if qk_gain is not None:  # the gain differs per head: normalize, then one (H + Hk, D) multiply
                 qk = rms_norm(qk, None, eps) * qk_gain
             qk = apply_rope(qk, cos, sin)
             k_all, v_all = kv_cache.update(i, qk[:, H:, None], v[:, :, None])  # (B, Hk, t + 1, D)
-            q = qk[:, :H].reshape(B, Hk, H // Hk, D)  # each kv head's group of query heads, pre-scaled
-            scores = q @ k_all.transpose(-2, -1)
-            if mask is not None:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            x = torch.addmm(x, (scores.softmax(-1) @ v_all).reshape(B, H * D), w_o_t)
+            # each kv head's group of query heads (pre-scaled) as its query axis: one plain attention call,
+            # which keeps the scores in float32 in bfloat16 too
+            q = qk[:, :H].reshape(B, Hk, H // Hk, D)
+            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=1.0)
+            x = torch.addmm(x, y.reshape(B, H * D), w_o_t)
             gate, up = F.linear(rms_norm(x, ln_mlp, eps), w_gate_up).chunk(2, dim=-1)
             x = torch.addmm(x, F.silu(gate) * up, w_down_t)
         kv_cache.length += 1
         kv_cache.next_pos = pos + 1
-        return self.lm_head(rms_norm(x, self.model.norm.weight, eps))
+        return F.linear(rms_norm(x, self.model.norm.weight, eps).float(), weights["head"])
 
     # -- Hugging Face folders ----------------------------------------------------------------
 

@@ -30,7 +30,7 @@ class NoStopTokenizer:
 def no_cache_generate(model, prompts, new_tokens, gen):
     x = torch.tensor(prompts)
     for _ in range(new_tokens):
-        tok, _ = sample_next(model(x)[:, -1], 1.0, None, None, gen)
+        tok, _ = sample_next(model(x)[:, -1], 1.0, None, None, torch.rand(len(x), generator=gen, dtype=torch.float64))
         x = torch.cat([x, tok[:, None]], 1)
     return x
 
@@ -103,8 +103,9 @@ if __name__ == "__main__":
             logp = torch.log_softmax(logits, -1)
             tok = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1)
             return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        def inverse_cdf():
+            return sample_next(logits, 1.0, None, None, torch.rand(rows, generator=gen, dtype=torch.float64))
         n = 200
         t_mult, t_icdf = (t / n for t in timed([lambda: [multinomial() for _ in range(n)],
-                                                 lambda: [sample_next(logits, 1.0, None, None, gen) for _ in range(n)]],
-                                                args.repeats))
+                                                 lambda: [inverse_cdf() for _ in range(n)]], args.repeats))
         print(f"{'':34s} {rows:10d} {t_mult * 1e6:15.0f} {t_icdf * 1e6:15.0f} {t_mult / t_icdf:7.1f}x")

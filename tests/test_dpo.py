@@ -185,7 +185,7 @@ def test_on_policy_pairs_a_correct_with_an_incorrect_answer(tok, monkeypatch):
         return [Completion(i, tokens=tok.encode(answers[i][j]) + [tok.eos_id], finish_reason="stop")
                 for i in range(len(prompt_ids)) for j in range(num_samples)]
     monkeypatch.setattr("engine.Engine.generate", fake_generate)
-    rows = on_policy_rows(None, tok, prompts, samples=2, temperature=1.0, max_new_tokens=8, seed=0)
+    rows = on_policy_rows(tiny_model(tok), tok, prompts, samples=2, temperature=1.0, max_new_tokens=8, seed=0)
     assert len(rows) == 2
     assert rows[0]["chosen"][0]["content"] == answers[0][1] and rows[0]["rejected"][0]["content"] == answers[0][0]
     assert rows[1]["prompt"] == prompts[2]["prompt"]

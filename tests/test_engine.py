@@ -1,11 +1,17 @@
 """The engine: cache == recompute, batch == alone, seeds, log-probs == trainer's, stops, tool loop token in/out."""
 
+import copy
+
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine import Engine, run_tool_calls
-from model import GPT, GPTConfig, logprobs_from_logits, process_logits
+from common import autocast
+from engine import Engine, run_tool_calls, sample_next
+from model import GPT, GPTConfig, KVCache, logprobs_from_logits, process_logits
 from tasks import TOOLS
+from test_engine_cuda import check_bf16_decode_step, check_logprob_gap
 
 torch.set_num_threads(1)
 
@@ -75,13 +81,16 @@ def test_engine_logprobs_equal_trainer_recomputation(tok, model, temperature, to
 
 
 class ScriptedGPT(GPT):
-    """A GPT whose next token is always the next token of a fixed script: drives the engine
-    through an exact transcript (a tool call, then a final answer)."""
+    """A GPT whose next token is always the next token of a fixed script: drives the engine through an
+    exact transcript (a tool call, then a final answer). Its hidden state is the one-hot logits themselves
+    (width = vocabulary, the head an identity)."""
 
-    def __init__(self, config, script):
-        super().__init__(GPTConfig(**{**config.__dict__, "max_seq_len": 1024}))
+    def __init__(self, vocab_size, script):
+        super().__init__(GPTConfig(vocab_size=vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=vocab_size,
+                                   head_dim=8, intermediate_size=8, max_seq_len=1024, tie_word_embeddings=False))
         self.script = script
-        self.lm_head = torch.nn.Identity()  # hidden_states below already are the logits
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.eye(vocab_size))
 
     def hidden_states(self, idx, doc_ids=None, kv_cache=None):
         B, T = idx.shape
@@ -95,7 +104,7 @@ class ScriptedGPT(GPT):
         return logits
 
     def decode_step(self, tokens, kv_cache, weights):
-        return self.forward(tokens[:, None], kv_cache=kv_cache)[:, -1]
+        return self.hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1] @ weights["head"].T
 
 
 def tool_conversation():
@@ -114,7 +123,7 @@ def test_tool_loop_transcript_rerenders_to_the_same_ids(tok, model):
     full, mask = tok.render_conversation(msgs, tools=tools)
     prompt = tok.render_for_completion(msgs[:1], tools=tools)
     assert full[:len(prompt)] == prompt
-    scripted = ScriptedGPT(model.config, full)
+    scripted = ScriptedGPT(tok.vocab_size, full)
     out = Engine(scripted, tok, tools=TOOLS).generate([prompt], max_new_tokens=len(full) - len(prompt), temperature=0.0)[0]
     assert out.finish_reason == "stop" and out.tool_calls == 1
     # token in, token out: the rollout IS the rendered conversation, with the tool result computed live
@@ -136,7 +145,7 @@ def test_bad_tool_call_becomes_an_error_string(tok, model):
     results = run_tool_calls(call, TOOLS)
     assert len(results) == 1 and results[0].startswith("error")
     script = bad + tok.encode(call + "<|im_end|>") + tok.render_tool_responses(results) + tok.encode("ok<|im_end|>")
-    scripted = ScriptedGPT(model.config, script)
+    scripted = ScriptedGPT(tok.vocab_size, script)
     out = Engine(scripted, tok, tools=TOOLS).generate([bad], max_new_tokens=len(script), temperature=0.0)[0]
     forced_text = tok.decode([t for t, m in zip(out.tokens, out.mask) if m == 0])
     assert "error" in forced_text and out.tool_calls == 1
@@ -146,10 +155,10 @@ def test_bad_tool_call_becomes_an_error_string(tok, model):
 def test_every_stop_id_ends_a_row_and_is_not_truncation(tok, model):
     prompt = tok.render_for_completion([{"role": "user", "content": "x"}])
     for stop in sorted(tok.stop_ids):
-        scripted = ScriptedGPT(model.config, prompt + tok.encode("a b c") + [stop] + tok.encode("d e f"))
+        scripted = ScriptedGPT(tok.vocab_size, prompt + tok.encode("a b c") + [stop] + tok.encode("d e f"))
         out = Engine(scripted, tok).generate([prompt], max_new_tokens=30, temperature=0.0)[0]
         assert out.finish_reason == "stop" and out.tokens[-1] == stop  # nothing after the stop
-    scripted = ScriptedGPT(model.config, prompt + tok.encode(" a" * 40))
+    scripted = ScriptedGPT(tok.vocab_size, prompt + tok.encode(" a" * 40))
     out = Engine(scripted, tok).generate([prompt], max_new_tokens=10, temperature=0.0)[0]
     assert out.finish_reason == "length" and len(out.tokens) == 10
 
@@ -172,12 +181,254 @@ def test_run_tool_calls_never_raises():
 def test_sampler_draws_from_the_processed_distribution():
     # the inverse-CDF sampler: frequencies match the softmax of the processed logits, and a token cut by
     # top-k or of probability 0 is never drawn
-    from engine import sample_next
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]]).expand(40000, 6).contiguous()
     gen = torch.Generator().manual_seed(0)
-    tok, lp = sample_next(logits, 0.7, 4, None, gen)
+    tok, lp = sample_next(logits, 0.7, 4, None, torch.rand(40000, generator=gen, dtype=torch.float64))
     probs = process_logits(logits[:1], 0.7, 4).softmax(-1)[0]
     freq = torch.bincount(tok, minlength=6).float() / len(tok)
     assert freq[4] == 0 and freq[3] == 0  # -inf, and outside the top 4
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)  # 40k draws: a standard error <= 0.0025
     torch.testing.assert_close(lp, probs.log()[tok])
+
+
+def test_sampler_is_exact_at_the_real_vocabulary():
+    # token 0 at 0.997, the 151,935 others at ~2e-8 each: a float32 running sum stops growing at ~0.997
+    # (its step there is 6e-8), so a float32 inverse CDF never draws the tail. Over 50,000 draws the tail
+    # (mass 0.003, ~150 expected) must appear within 5 standard errors of its expectation
+    V, n = 151_936, 50_000
+    p = torch.full((V,), 0.003 / (V - 1), dtype=torch.float64)
+    p[0] = 0.997
+    logits = p.log().float()[None]
+    tail = 1 - torch.softmax(logits.double(), -1)[0, 0].item()  # the tail mass of these float32 logits
+    gen = torch.Generator().manual_seed(0)
+    tok, lp = sample_next(logits, 1.0, None, None, torch.rand(1, n, generator=gen, dtype=torch.float64))
+    drawn = int((tok != 0).sum())
+    se = (n * tail * (1 - tail)) ** 0.5
+    assert abs(drawn - n * tail) < 5 * se, (drawn, n * tail, se)
+    assert len(set(tok[tok != 0].tolist())) > 0.9 * drawn  # spread over the tail, not one token
+    # its log-probs are right too (float32 log_softmax on CPU is off by 4e-4 nats on token 0 here: it sums
+    # 151,936 exponentials in float32; logsumexp, and the trainer, do not)
+    exact = torch.log_softmax(logits.double(), -1).float()
+    torch.testing.assert_close(lp, exact[0, tok[0]][None], atol=2e-6, rtol=0)
+
+
+def test_sampler_can_draw_every_token_of_the_real_vocabulary():
+    # token by token: a uniform in the middle of token i's interval of the exact distribution (the float64
+    # softmax of the logits) draws token i, for each of 151,936 tokens, the tail ones at ~2e-8 after
+    # token 0 at 0.997. A float32 CDF near 0.997 moves in steps of 6e-8: about two thirds of those tokens
+    # get an empty interval in it and can never be drawn
+    V = 151_936
+    gen = torch.Generator().manual_seed(0)
+    p = 1e-8 + 2e-8 * torch.rand(V, generator=gen, dtype=torch.float64)  # each in [1e-8, 3e-8]
+    p[0] = 0.997
+    logits = (p / p.sum()).log().float()[None]
+    exact = torch.softmax(logits.double(), -1)[0].numpy()
+    upper = np.cumsum(exact)
+    middle = (upper - exact / 2) / upper[-1]
+    tok, lp = sample_next(logits, 1.0, None, None, torch.from_numpy(middle)[None])
+    assert torch.equal(tok[0], torch.arange(V))
+    torch.testing.assert_close(lp, torch.log_softmax(logits.double(), -1).float(), atol=2e-6, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The compute dtype, the prepared weights, compaction, streaming
+
+class StopAt:
+    """The tokenizer with other stop ids, so that rows really stop, at different steps."""
+
+    def __init__(self, tok, stop_ids):
+        self.tok, self.stop_ids = tok, set(stop_ids)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.fixture(scope="module")
+def peaked(tok):
+    """A random model whose next-token distributions are peaked as a trained model's are (mean log-prob of
+    a sample about -2, not log(1/512)): a larger final norm gain. Log-prob comparisons then mean something."""
+    torch.manual_seed(1)
+    cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                    intermediate_size=128, max_seq_len=128)
+    m = GPT(cfg).eval()
+    with torch.no_grad():
+        m.model.norm.weight.fill_(5.0)
+    return m
+
+
+class Recorder(TorchDispatchMode):
+    """Every aten op run inside it: (op, its tensor inputs, its output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        self.ops.append((func, inputs, out))
+        return out
+
+
+def storages(tensors):
+    return {t.untyped_storage().data_ptr() for t in tensors if t is not None}
+
+
+def test_bf16_engine_decodes_in_bf16_and_casts_no_weight(tok, peaked, monkeypatch):
+    caches = []
+
+    class RecordedCache(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+    monkeypatch.setattr("engine.KVCache", RecordedCache)
+    eng = Engine(peaked, tok, dtype=torch.bfloat16)
+    with eng.prepared():
+        prep = eng._prepared
+        assert all(p.dtype == torch.bfloat16 for p in prep.model.parameters())
+        fused = [w for layer in prep.weights["layers"] for w in layer if w is not None]
+        assert all(w.dtype == torch.bfloat16 for w in fused)
+        assert prep.head.dtype == torch.float32 and prep.weights["head"] is prep.head
+        assert prep.head.data_ptr() == peaked.lm_head.weight.data_ptr()  # the float32 master head, shared
+        weights = storages(list(prep.model.parameters()) + fused + list(peaked.parameters()))
+        with Recorder() as rec:
+            outs = eng.generate(prompts_of(tok, 3), num_samples=2, max_new_tokens=12, seed=0)
+    assert caches[0].k.dtype == caches[0].v.dtype == torch.bfloat16 and caches[0].k.size(1) == 6
+    casts = [inputs[0] for func, inputs, out in rec.ops
+             if func.overloadpacket in (torch.ops.aten.to, torch.ops.aten._to_copy) and out.dtype != inputs[0].dtype]
+    assert casts, "the recorder sees the engine's casts"  # e.g. h.float() before the head
+    assert not storages(casts) & weights, "a weight was cast inside generate"
+    assert all(len(o.tokens) == 12 for o in outs)
+
+
+def test_bf16_logprobs_match_the_trainers_recomputation(tok, peaked):
+    # the engine samples from F.linear(h.float(), head_fp32) with a bf16 trunk; the trainer recomputes under
+    # bf16 autocast from the float32 master weights. The gap is bf16 rounding, small against the log-probs
+    prompts = prompts_of(tok, 3)
+    outs = Engine(peaked, tok, dtype=torch.bfloat16).generate(prompts, num_samples=4, max_new_tokens=24,
+                                                              temperature=0.8, seed=0)
+    gaps, logps = [], []
+    for o in outs:
+        seq = prompts[o.prompt_index] + o.tokens
+        with torch.no_grad(), autocast("cpu", torch.bfloat16):
+            lp = peaked(torch.tensor([seq[:-1]]), torch.tensor([seq[1:]]), temperature=0.8)
+        lp = lp[0, len(prompts[o.prompt_index]) - 1:].float()
+        gaps.append((torch.tensor(o.logprobs) - lp).abs())
+        logps.append(lp)
+    gaps, logps = torch.cat(gaps), torch.cat(logps)
+    assert logps.mean() < -0.5  # really sampling from spread distributions
+    assert gaps.mean() < 0.01 and gaps.max() < 0.05, (gaps.mean(), gaps.max())  # measured: 0.0016, 0.015
+
+
+def test_fp32_logprobs_match_the_trainers_recomputation(tok, peaked):
+    prompts = prompts_of(tok, 3)
+    outs = Engine(peaked, tok).generate(prompts, num_samples=4, max_new_tokens=24, temperature=0.8, seed=0)
+    for o in outs:
+        seq = prompts[o.prompt_index] + o.tokens
+        with torch.no_grad():
+            lp = peaked(torch.tensor([seq[:-1]]), torch.tensor([seq[1:]]), temperature=0.8)
+        torch.testing.assert_close(torch.tensor(o.logprobs), lp[0, len(prompts[o.prompt_index]) - 1:], atol=1e-5, rtol=0)
+
+
+def run_with_compaction(eng, compact_at, **kwargs):
+    eng.compact_at = compact_at
+    return eng.generate(**kwargs, return_stats=True)
+
+
+def test_compaction_and_masking_give_the_same_completions(tok, peaked):
+    # rows stop at different steps; compacting at every stop, at half (the default) or never (finished rows
+    # stay masked to the end) changes which rows the batch computes, never what any completion gets
+    eng = Engine(peaked, StopAt(tok, range(40, 60)))
+    kwargs = dict(prompts=prompts_of(tok, 4), num_samples=4, max_new_tokens=40, temperature=1.0, seed=5)
+    (never, s_never), (half, s_half), (each, s_each) = (run_with_compaction(eng, c, **kwargs) for c in (0.0, 0.5, 1.0))
+    lengths = [len(o.tokens) for o in never]
+    assert len(set(lengths)) > 5 and {o.finish_reason for o in never} == {"stop", "length"}
+    assert s_never["compactions"] == 0 < s_half["compactions"] < s_each["compactions"]
+    for other in (half, each):
+        for a, b in zip(never, other):
+            assert (a.tokens, a.mask, a.finish_reason, a.prompt_index) == (b.tokens, b.mask, b.finish_reason, b.prompt_index)
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    for o in never:  # nothing after a stop
+        assert o.finish_reason == "length" or (o.tokens[-1] in range(40, 60) and
+                                               not set(o.tokens[:-1]) & set(range(40, 60)))
+
+
+def test_no_second_cache_is_built(tok):
+    # one prefill of the distinct prompts into all their rows, and compaction in place one layer at a time:
+    # inside generate nothing but the keys and the values allocates more than half of one layer's share
+    # of them (repeating a prefilled cache, or copying the kept rows into a new cache, would)
+    torch.manual_seed(2)
+    cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=4, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                    intermediate_size=128, max_seq_len=160)
+    m = GPT(cfg).eval()
+    with torch.no_grad():
+        m.model.norm.weight.fill_(5.0)
+    prompts = prompts_of(tok, 4)
+    with Recorder() as rec:
+        outs, stats = Engine(m, StopAt(tok, range(40, 70))).generate(prompts, num_samples=4, max_new_tokens=100,
+                                                                     seed=1, return_stats=True)
+    assert stats["compactions"] >= 2
+    seen, allocated = set(), []
+    for _, inputs, out in rec.ops:
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen | storages(inputs):
+                allocated.append(t.untyped_storage().nbytes())
+            seen |= storages([t] if isinstance(t, torch.Tensor) else [])
+    cache = 4 * cfg.n_layer * 16 * cfg.n_kv_head * (max(map(len, prompts)) + 100) * cfg.head_dim  # bytes
+    allocated.sort(reverse=True)
+    assert allocated[:2] == [cache, cache]  # the keys and the values, allocated once
+    assert allocated[2] <= cache / cfg.n_layer / 2
+
+
+def test_prepared_block_prepares_once_and_refuses_stale_weights(tok, model):
+    m = copy.deepcopy(model)
+    eng = Engine(m, tok)
+    prompts = prompts_of(tok, 2)
+    calls = []
+    m.decode_weights = lambda head=None: calls.append(1) or GPT.decode_weights(m, head)
+    first = eng.generate(prompts, max_new_tokens=10, temperature=0.0)
+    with eng.prepared():
+        again = [eng.generate(prompts, max_new_tokens=10, temperature=0.0) for _ in range(3)]
+        assert len(calls) == 2  # one for the call outside, one for the block
+        with torch.no_grad():
+            m.model.norm.weight.mul_(-1.0)  # an update in place: every logit flips sign
+        with pytest.raises(RuntimeError, match="changed"):
+            eng.generate(prompts, max_new_tokens=10, temperature=0.0)
+    assert all([o.tokens for o in outs] == [o.tokens for o in first] for outs in again)
+    # outside a block every generate prepares from the weights as they are now
+    after = eng.generate(prompts, max_new_tokens=10, temperature=0.0)
+    assert [o.tokens for o in after] == [greedy_recompute(m, p, 10, tok.stop_ids) for p in prompts]
+    assert [o.tokens for o in after] != [o.tokens for o in first]
+
+
+def test_stream_reports_every_token_as_it_is_decoded(tok, peaked):
+    eng = Engine(peaked, StopAt(tok, range(40, 140)))
+    steps = []
+    outs = eng.generate(prompts_of(tok, 3), num_samples=3, max_new_tokens=30, seed=2, stream=steps.append)
+    assert len(steps) == max(len(o.tokens) for o in outs) and all(len(s) == 9 for s in steps)
+    for r, o in enumerate(outs):
+        assert [s[r] for s in steps[:len(o.tokens)]] == o.tokens
+        assert all(s[r] is None for s in steps[len(o.tokens):])
+
+
+# the checks runs/gpu_check.sh runs on a GPU at Qwen3-0.6B's shape (tests/test_engine_cuda.py), here on CPU
+# at a small one with a wider vocabulary
+SMALL_QWEN3 = GPTConfig(vocab_size=8192, n_layer=2, n_head=8, n_kv_head=4, n_embd=256, head_dim=64,
+                        intermediate_size=512, max_seq_len=128)
+
+
+def test_bf16_decode_step_matches_the_module_forward_cpu():
+    check_bf16_decode_step("cpu", SMALL_QWEN3)
+
+
+def test_engine_trainer_logprob_gap_cpu():
+    gap, mean_logprob = check_logprob_gap("cpu", SMALL_QWEN3, prompts=2, samples=2, prompt_len=8, new_tokens=16)
+    assert mean_logprob < -0.5 and gap < 0.02, (gap, mean_logprob)
+
+
+def test_a_callers_autocast_changes_nothing(tok, peaked):
+    eng = Engine(peaked, tok)
+    want = eng.generate(prompts_of(tok, 2), num_samples=2, max_new_tokens=8, seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = eng.generate(prompts_of(tok, 2), num_samples=2, max_new_tokens=8, seed=0)
+    assert [(o.tokens, o.logprobs) for o in got] == [(o.tokens, o.logprobs) for o in want]

@@ -28,10 +28,13 @@ class ScriptedJudge(GPT):
     engine subsets as rows finish. `prefills` records the batch size of every generate call."""
 
     def __init__(self, tok, replies: dict, max_seq_len=2048):
-        super().__init__(tiny_config(tok, max_seq_len))
+        # the hidden state is the one-hot logits themselves: width = vocabulary, the head an identity
+        super().__init__(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=tok.vocab_size,
+                                   head_dim=8, intermediate_size=8, max_seq_len=max_seq_len, tie_word_embeddings=False))
+        with torch.no_grad():
+            self.lm_head.weight.copy_(torch.eye(tok.vocab_size))
         self.tok, self.answers = tok, list(replies)
         self.scripts = [tok.encode(replies[a]) + [tok.eos_id] for a in self.answers]
-        self.lm_head = torch.nn.Identity()  # hidden_states below already are the logits
         self.prefills, self.prompts = [], []
 
     def hidden_states(self, idx, doc_ids=None, kv_cache=None):
@@ -53,7 +56,7 @@ class ScriptedJudge(GPT):
         return logits
 
     def decode_step(self, tokens, kv_cache, weights):
-        return self.forward(tokens[:, None], kv_cache=kv_cache)[:, -1]
+        return self.hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1] @ weights["head"].T
 
 
 def test_parse_verdict_is_strict():

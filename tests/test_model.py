@@ -60,8 +60,8 @@ def test_kv_cache_decoding_equals_full_recompute():
 
 @pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3 and Llama
 def test_decode_step_equals_the_cached_forward(qk_norm):
-    # left-padded prompts (the padding is its own document, so the isolating mask is on), rows repeated
-    # and dropped mid-way as the engine does: the fused step must give the module forward's numbers
+    # left-padded prompts (the padding is its own document, so the isolating mask is on), each prefilled
+    # into 2 rows and rows dropped mid-way as the engine does: the fused step gives the module forward's numbers
     m = tiny(qk_norm=qk_norm)
     with torch.no_grad():
         for p in m.parameters():  # non-trivial norm gains, so a wrongly fused gain table would show
@@ -69,13 +69,16 @@ def test_decode_step_equals_the_cached_forward(qk_norm):
                 p.uniform_(0.5, 1.5)
     ids = torch.randint(1, 97, (2, 9))
     doc = torch.tensor([[0] * 4 + [1] * 5, [1] * 9])
-    caches = [KVCache(m.config, 2, 24, "cpu", torch.float32) for _ in range(2)]
+    caches = [KVCache(m.config, 4, 24, "cpu", torch.float32) for _ in range(2)]
     weights = m.decode_weights()
     with torch.no_grad():
         for cache in caches:
             m(ids, doc_ids=doc, kv_cache=cache)
-            cache.repeat_rows(2)
         assert caches[0].isolated
+        alone = KVCache(m.config, 2, 24, "cpu", torch.float32)  # the cache's rows 2i and 2i+1 are prompt i's
+        m(ids, doc_ids=doc, kv_cache=alone)
+        torch.testing.assert_close(caches[0].k[:, ::2], alone.k)
+        torch.testing.assert_close(caches[0].v[:, 1::2], alone.v)
         x = torch.randint(0, 97, (4,))
         for t in range(10):
             if t == 4:

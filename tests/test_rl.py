@@ -314,9 +314,14 @@ def test_loop_runs_with_ppo_epochs_and_tools(tmp_path, tiny_chat):
     assert os.path.isfile(tmp_path / "rl" / "default" / "eval.json")
 
 
-def test_loop_runs_on_two_ranks(tmp_path, tiny_chat):
-    rows = rl_run(tmp_path, tiny_chat, nproc=2)
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_loop_runs_on_two_ranks(tmp_path, tiny_chat, fsdp):
+    # FSDP2: the engine samples from weights gathered once per rollout phase, dynamic sampling runs its own
+    # rounds on each rank, every rank evaluates its share
+    rows = rl_run(tmp_path, tiny_chat, "--eval-every", "1", "--overlong-buffer", "24", *(["--fsdp"] if fsdp else []),
+                  nproc=2)
     assert [r["step"] for r in rows if "reward" in r] == [1, 2]
+    assert all("eval/pass@1" in r for r in rows if "reward" in r)
 
 
 def test_loop_runs_with_a_reward_model(tmp_path, tiny_chat):
