@@ -21,10 +21,11 @@ import time
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_batch,
-                    make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config, progress,
-                    epoch_batch, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
+                    check_finite, cleanup_dist, dist_info, epoch_batch, heldout_loss, init_dist, load_model,
+                    load_training_state, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    pack_bfd, print0, print_config, progress, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from model import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,6 +51,9 @@ parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--warmup-steps", type=int, default=30)
 parser.add_argument("--weight-decay", type=float, default=0.1)
 parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--compile", action="store_true", help="torch.compile the model (+~20%% after a ~30 s compile)")
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=100)
@@ -97,38 +101,29 @@ def documents(tok, split, num_docs, seed, seq_len):
 
 
 @torch.no_grad()
-def eval_loss(model, examples, rows, pad_id, seq_len, device, batch_size=32):
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        x, y, d = make_batch(examples, rows[i:i + batch_size], pad_id, seq_len, "bfd", device)
-        with autocast(device):
-            total += model(x, y, doc_ids=d, reduction="sum").item()
-        count += (y != IGNORE).sum().item()
-    model.train()
-    return total / count
-
-
-@torch.no_grad()
 def eval_samples(model, tok, n, seed, max_new_tokens=160):
-    """Greedy-complete held-out questions the way the base saw them ("question\\n") and grade them."""
+    """Greedy-complete held-out questions the way the base saw them ("question\\n") and grade them; every
+    rank its share of the problems, the counts summed. Returns (metrics, rank 0's first samples)."""
     from engine import Engine
     from rewards import format_ok, verify
     from tasks import generate_problems
-    problems = generate_problems("test", n, seed=seed)
-    prompts = [tok.encode(p.question + "\n") for p in problems]
-    outs = Engine(model, tok).generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0)
+    info = dist_info()
+    problems = generate_problems("test", n, seed=seed)[info.rank::info.world_size]
+    engine = Engine(unwrap(model), tok)
+    with engine.prepared():  # a collective under FSDP2: every rank, even one without problems
+        outs = engine.generate([tok.encode(p.question + "\n") for p in problems], max_new_tokens=max_new_tokens,
+                               temperature=0.0) if problems else []
     texts = [tok.decode([t for t in o.tokens if t not in tok.stop_ids]) for o in outs]
-    return {
-        "format_rate": sum(format_ok(t) for t in texts) / n,
-        "pass@1": sum(verify("gsm8k", t, str(p.answer)) for t, p in zip(texts, problems)) / n,
-        "stop_rate": sum(o.finish_reason == "stop" for o in outs) / n,
-    }, [(p.question, t) for p, t in zip(problems[:3], texts[:3])]
+    sums = all_reduce_dict({"format_rate": sum(format_ok(t) for t in texts),
+                            "pass@1": sum(verify("gsm8k", t, str(p.answer)) for t, p in zip(texts, problems)),
+                            "stop_rate": sum(o.finish_reason == "stop" for o in outs)},
+                           keys=["format_rate", "pass@1", "stop_rate"])
+    return {k: v / n for k, v in sums.items()}, [(p.question, t) for p, t in zip(problems[:3], texts[:3])]
 
 
-if __name__ == "__main__":
+def main():
     args = parser.parse_args()
-    dist = init_dist(args.device)
+    dist = init_dist(args.device, args.dist_timeout)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "base_train")
@@ -146,28 +141,28 @@ if __name__ == "__main__":
            f"{args.steps * args.batch_size / len(train_rows):.2f} epochs")
 
     if args.batch_size % (args.device_batch_size * dist.world_size):
-        parser.error(f"--batch-size {args.batch_size} must be a multiple of --device-batch-size x ranks "
-                     f"({args.device_batch_size} x {dist.world_size})")
+        raise UserError(f"--batch-size {args.batch_size} must be a multiple of --device-batch-size x ranks "
+                        f"({args.device_batch_size} x {dist.world_size})")
     accum = args.batch_size // (args.device_batch_size * dist.world_size)
     config = GPTConfig(vocab_size=tok.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
                        n_embd=args.n_embd, head_dim=args.n_embd // args.n_head, intermediate_size=4 * args.n_embd,
                        max_seq_len=args.max_seq_len)
-    model = GPT(config).to(device)
+    ckpt = resume_checkpoint(out_dir) if args.resume else None
+    if ckpt:
+        model = load_model(ckpt, fsdp=args.fsdp)
+    else:
+        model = GPT(config).to(device)
+        broadcast_parameters(model)  # ranks were seeded apart: every rank starts from rank 0's weights
+    model = wrap_model(model, fsdp=args.fsdp)
+    unwrap(model).grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
-    if args.resume:
-        ckpt = latest_checkpoint(out_dir)
-        if ckpt is None:
-            print0(f"--resume: no checkpoint in {out_dir}; starting from scratch")
-        else:
-            model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
-            optimizer = make_optimizer(model, args.lr, args.weight_decay)
-            start_step = load_training_state(ckpt, optimizer)["step"]
-            print0(f"resumed from {ckpt} at step {start_step}")
+    if ckpt:
+        start_step = load_training_state(ckpt, optimizer, model)["step"]
+        print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)  # a fresh run starts a fresh log
-    print0(f"model: {model.num_params():,} parameters, {config}")
-    broadcast_parameters(model)
+    print0(f"model: {unwrap(model).num_params():,} parameters, {config}")
     fwd = torch.compile(model) if args.compile else model
 
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="base")
@@ -182,11 +177,11 @@ if __name__ == "__main__":
         # mean over every target token of the global batch (all micro-batches, all ranks)
         n_global = all_reduce_sum(float(sum((y != IGNORE).sum().item() for _, y, _ in micro)))
         loss_sum = 0.0
-        for x, y, d in micro:
-            with autocast(device):
-                loss = fwd(x, y, doc_ids=d, reduction="sum") / n_global
-            check_finite(loss, step)
-            loss.backward()
+        for a, (x, y, d) in enumerate(micro):
+            with no_sync(model, last=a == accum - 1), autocast(device):
+                loss = -fwd(x, y, doc_ids=d).sum() / n_global  # the next-token loss on every token
+                check_finite(loss, step + 1)
+                loss.backward()
             loss_sum += loss.item()
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
         loss_sum = all_reduce_sum(loss_sum)
@@ -194,7 +189,7 @@ if __name__ == "__main__":
         metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4)}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             dt = time.time() - t_last
-            metrics.update(val_loss=round(eval_loss(model, val_ex, val_rows, tok.pad_id, args.seq_len, device), 6),
+            metrics.update(val_loss=round(heldout_loss(model, val_ex, val_rows, tok.pad_id, args.seq_len, "bfd", device), 6),
                            tokens_per_s=round(tokens_since / dt))
             t_last, tokens_since = time.time(), 0
             if dist.is_main:
@@ -205,11 +200,16 @@ if __name__ == "__main__":
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
-    if dist.is_main and args.eval_problems > 0:
+    if args.eval_problems > 0:  # every rank its share of the held-out problems
         scores, examples = eval_samples(model, tok, args.eval_problems, args.seed)
         for q, t in examples:
             print0(f"--- sample ---\n{q}\n{t}")
         print0(f"held-out ({args.eval_problems} problems, greedy): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         log.log(args.steps, **{f"final/{k}": v for k, v in scores.items()})
-        write_eval(out_dir, scores)
+        if dist.is_main:
+            write_eval(out_dir, scores)
     cleanup_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from chat_sft import sft_example
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, dist_info, epoch_batch, init_dist, latest_checkpoint, load_training_state,
-                    lr_at, make_optimizer, nanopost_home, optimizer_step, pack_sequences, peak_memory_mb, print0,
-                    print_config, progress, resolve_model_path, run_dir, save_checkpoint, seed_everything,
-                    set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max,
+                    all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype, dist_info, epoch_batch,
+                    idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer, micro_batches,
+                    nanopost_home, no_sync, optimizer_step, pack_sequences, peak_memory_mb, print0, print_config,
+                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
 
@@ -47,6 +48,7 @@ parser.add_argument("--run-name", default="default", help="run name: output goes
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
+parser.add_argument("--eval-data", default=None, help="held-out rows of the same form (default: the last 2%% of --data)")
 parser.add_argument("--pairs", choices=["embedded", "on-policy"], default="embedded",
                     help="without --data: the world's pairs, or pairs sampled from the policy (a verified-correct vs an incorrect answer)")
 parser.add_argument("--num-train", type=int, default=600, help="embedded pairs, or prompts to sample for --pairs on-policy")
@@ -63,7 +65,10 @@ parser.add_argument("--undesirable-weight", type=float, default=1.0, help="kto: 
 parser.add_argument("--ref", choices=["precompute", "live"], default="precompute",
                     help="reference log-probs computed once before training, or by a frozen copy of the model")
 parser.add_argument("--batch-size", type=int, default=32, help="pairs (kto: answers) per optimizer step, all ranks together")
-parser.add_argument("--device-batch-size", type=int, default=16, help="pairs per forward pass")
+parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a pair count)")
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=2e-5, help="higher lowers pass@1 here: 2e-4 took it from 0.60 to 0.33")
@@ -72,7 +77,7 @@ parser.add_argument("--final-lr-ratio", type=float, default=0.1)
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out pair evaluations")
-parser.add_argument("--eval-problems", type=int, default=500, help="held-out problems sampled greedily at the start and the end")
+parser.add_argument("--eval-problems", type=int, default=500, help="embedded-world held-out problems sampled greedily at the start and the end (0: none)")
 parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
@@ -87,7 +92,7 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     """-> (losses, chosen_rewards, rejected_rewards), each (B,). The rewards are DPO's implicit rewards
     beta * (log pi - log pi_ref) of each completion, detached, for logging.
 
-    Worked numbers (seed), sigmoid: margins +1.40 / -0.20 / -2.60 (already right / near tie / backwards)
+    Example, sigmoid: margins +1.40 / -0.20 / -2.60 (already right / near tie / backwards)
     lose 0.6256 / 0.7032 / 0.8316 at beta 0.1, with |d loss / d margin| = beta * sigmoid(-beta * margin)
     = 0.0465 / 0.0505 / 0.0565: all near log 2, the backwards pair barely pushed harder. At beta 0.5:
     0.4032 / 0.7444 / 1.5410 and 0.1659 / 0.2625 / 0.3929 (8.4x between backwards and right)."""
@@ -139,6 +144,57 @@ def kto_loss(policy_logps, ref_logps, desirable, kl, beta=0.1, desirable_weight=
 
 
 # ------------------------------------------------------------------------------------------------
+# One micro-batch of each loss family: its share of the global batch's loss, and statistics summed over
+# it (TRL's names). Each loss term is divided by its global count (pairs, answers or tokens of the whole
+# step, every micro-batch and rank), so accumulation and DDP give the one-batch gradient (common.py).
+
+def pair_stats(chosen_logps, rejected_logps, chosen_rewards, rejected_rewards):
+    return {"rewards/chosen": chosen_rewards.sum().item(), "rewards/rejected": rejected_rewards.sum().item(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).sum().item(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).sum().item(),
+            "logps/chosen": chosen_logps.detach().sum().item(), "logps/rejected": rejected_logps.detach().sum().item()}
+
+
+def dpo_micro_loss(model, pairs, ref, *, pad_id, capacity, pairs_per_step, chosen_tokens_per_step, beta, loss_type,
+                   label_smoothing=0.0, rpo_alpha=0.0):
+    """DPO and its reference-based variants on a micro-batch of pairs; ref: (n, 2) reference log-probs.
+    rpo_alpha adds the chosen answers' NLL, per chosen token of the step (Iterative RPO)."""
+    logps, lengths = completion_logps(model, [e for pair in pairs for e in pair[:2]], pad_id, "packed", capacity)
+    chosen, rejected = logps[0::2], logps[1::2]
+    losses, chosen_rewards, rejected_rewards = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], beta=beta,
+                                                        loss_type=loss_type, label_smoothing=label_smoothing,
+                                                        chosen_lengths=lengths[0::2], rejected_lengths=lengths[1::2])
+    loss = losses.sum() / pairs_per_step
+    if rpo_alpha:
+        loss = loss - rpo_alpha * chosen.sum() / chosen_tokens_per_step
+    return loss, pair_stats(chosen, rejected, chosen_rewards, rejected_rewards)
+
+
+def orpo_micro_loss(model, pairs, *, pad_id, capacity, pairs_per_step, chosen_tokens_per_step, beta):
+    """ORPO: the SFT loss on the chosen answers (per chosen token of the step) plus the odds-ratio term
+    (per pair of the step); no reference."""
+    logps, lengths = completion_logps(model, [e for pair in pairs for e in pair[:2]], pad_id, "packed", capacity)
+    chosen, rejected = logps[0::2], logps[1::2]
+    losses, chosen_rewards, rejected_rewards = orpo_loss(chosen, rejected, lengths[0::2], lengths[1::2], beta)
+    loss = losses.sum() / pairs_per_step - chosen.sum() / chosen_tokens_per_step
+    return loss, pair_stats(chosen, rejected, chosen_rewards, rejected_rewards)
+
+
+def kto_micro_loss(model, answers, ref, *, pad_id, capacity, answers_per_step, kl, beta, desirable_weight,
+                   undesirable_weight):
+    """KTO on a micro-batch of single answers (answer example, partner example, desirable); ref: (n, 2)
+    reference log-probs of the answers and partners; kl: the step's reference point."""
+    logps, _ = completion_logps(model, [a for a, _, _ in answers], pad_id, "packed", capacity)
+    good = torch.tensor([g for _, _, g in answers], device=logps.device)
+    losses, rewards = kto_loss(logps, ref[:, 0], good, kl, beta, desirable_weight, undesirable_weight)
+    g = good.float()
+    stats = {"rewards/chosen": (rewards * g).sum().item(), "rewards/rejected": (rewards * (1 - g)).sum().item(),
+             "logps/chosen": (logps.detach() * g).sum().item(), "logps/rejected": (logps.detach() * (1 - g)).sum().item(),
+             "good": g.sum().item(), "bad": (1 - g).sum().item()}
+    return losses.sum() / answers_per_step, stats
+
+
+# ------------------------------------------------------------------------------------------------
 # Sequence log-probs
 
 def completion_logps(model, examples, pad_id, layout="packed", capacity=None):
@@ -147,9 +203,9 @@ def completion_logps(model, examples, pad_id, layout="packed", capacity=None):
     (common.pack_sequences), all giving the same sums."""
     ids, docs, tgt, (rows, ends) = pack_sequences([x for x, _ in examples], pad_id, layout, capacity,
                                                   [y for _, y in examples])
-    dev = model.device
+    dev = next(model.parameters()).device  # model may be a DDP wrapper: call it, so its hooks see the forward
     with autocast(dev):
-        lp = model.token_logprobs(ids.to(dev), tgt.to(dev), doc_ids=None if layout == "right" else docs.to(dev))
+        lp = model(ids.to(dev), tgt.to(dev), doc_ids=None if layout == "right" else docs.to(dev))
     sums = torch.stack([lp[r, e + 1 - len(x):e + 1].sum()
                         for (x, _), r, e in zip(examples, rows.tolist(), ends.tolist())])
     counts = torch.tensor([sum(t != IGNORE for t in y) for _, y in examples], dtype=torch.float32, device=dev)
@@ -160,16 +216,21 @@ def completion_logps(model, examples, pad_id, layout="packed", capacity=None):
 def reference_logps(model, examples, pad_id, capacity, batch_size=64):
     """Log-probs of every example under the reference, computed once before training, in the data's
     order: in eval mode, with no gradient, and without touching the global RNG (trl#5542, #7084), so
-    they are the same on every call and however the data is later shuffled. Under DDP each rank
-    computes every world-th chunk and a sum all-reduce hands every rank all of them."""
+    they are the same on every call and however the data is later shuffled. Under torchrun each rank
+    computes every world-th chunk (as many passes on every rank: an FSDP2 forward is a collective) and a
+    sum all-reduce hands every rank all of them."""
     info = dist_info()
     was_training = model.training
     model.eval()
-    out = torch.zeros(len(examples), device=model.device)
+    out = torch.zeros(len(examples), device=next(model.parameters()).device)
+    chunks = list(range(0, len(examples), batch_size))[info.rank::info.world_size]
     with torch.random.fork_rng(devices=[]):
-        for c, s in enumerate(range(0, len(examples), batch_size)):
-            if c % info.world_size == info.rank:
-                out[s:s + batch_size] = completion_logps(model, examples[s:s + batch_size], pad_id, "packed", capacity)[0]
+        for c in range(int(all_reduce_max(len(chunks)))):
+            if c >= len(chunks):
+                idle_pass(model, backward=False)
+                continue
+            s = chunks[c]
+            out[s:s + batch_size] = completion_logps(model, examples[s:s + batch_size], pad_id, "packed", capacity)[0]
     model.train(was_training)
     return all_reduce_sum(out)
 
@@ -237,21 +298,19 @@ def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens
     row's verifier, pair the first correct one with the first incorrect one. Prompts where all answers
     agree teach nothing and are skipped; answers cut at the length limit are not used. Each rank samples
     its share of the prompts, and every rank gets all the pairs."""
-    import torch.distributed as tdist
-
-    from rewards import answer_text
     from engine import Engine
-    from rewards import verify
+    from rewards import answer_text, verify
     from tokenizer import completion_message
     info = dist_info()
-    engine = Engine(model, tok)
+    engine = Engine(unwrap(model), tok)
     rows = []
-    for b, s in enumerate(range(0, len(prompt_rows), batch_size)):
-        if b % info.world_size != info.rank:
-            continue
+    with engine.prepared():  # the sampler's weights, once (a collective under FSDP2: every rank calls it)
+        outputs = [(s, engine.generate([tok.render_for_completion(r["prompt"]) for r in prompt_rows[s:s + batch_size]],
+                                       num_samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                       seed=seed + s))
+                   for s in list(range(0, len(prompt_rows), batch_size))[info.rank::info.world_size]]
+    for s, outs in outputs:
         chunk = prompt_rows[s:s + batch_size]
-        outs = engine.generate([tok.render_for_completion(r["prompt"]) for r in chunk], num_samples=samples,
-                               max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + s)
         for i, r in enumerate(chunk):
             good, bad = [], []
             for o in outs[i * samples:(i + 1) * samples]:
@@ -262,11 +321,7 @@ def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens
             if good and bad:
                 rows.append({"prompt": r["prompt"], "chosen": [completion_message(good[0])],
                              "rejected": [completion_message(bad[0])], "kind": "on-policy"})
-    if tdist.is_initialized():
-        parts = [None] * info.world_size
-        tdist.all_gather_object(parts, rows)
-        rows = [row for part in parts for row in part]
-    return rows
+    return [row for part in all_gather_objects(rows) for row in part]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -275,199 +330,227 @@ def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens
 @torch.no_grad()
 def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
     """Implicit-reward metrics on held-out pairs under TRL's names (accuracy: chosen reward strictly
-    above rejected, so 0 at step 0 where every margin is 0)."""
+    above rejected, so 0 at step 0 where every margin is 0). Under torchrun every rank computes its share
+    (as many passes on every rank) and the log-probs are summed over ranks."""
+    info = dist_info()
     was_training = model.training
     model.eval()
-    pc, pr = [], []
-    for s in range(0, len(items), batch_size):
-        chunk = items[s:s + batch_size]
-        lp, _ = completion_logps(model, [c for c, _, _ in chunk] + [j for _, j, _ in chunk], pad_id, "packed", capacity)
-        pc.append(lp[:len(chunk)])
-        pr.append(lp[len(chunk):])
+    logps = torch.zeros(len(items), 2, device=next(model.parameters()).device)
+    chunks = list(range(0, len(items), batch_size))[info.rank::info.world_size]
+    for c in range(int(all_reduce_max(len(chunks)))):
+        if c >= len(chunks):
+            idle_pass(model, backward=False)
+            continue
+        chunk = items[chunks[c]:chunks[c] + batch_size]
+        lp, _ = completion_logps(model, [e for item in chunk for e in item[:2]], pad_id, "packed", capacity)
+        logps[chunks[c]:chunks[c] + len(chunk)] = lp.view(-1, 2)
     model.train(was_training)
-    pc, pr = torch.cat(pc).cpu(), torch.cat(pr).cpu()
-    rc, rr = beta * (pc - ref[:, 0].cpu()), beta * (pr - ref[:, 1].cpu())
-    right = (rc > rr).float()
-    m = {"pair_accuracy": right.mean().item(), "rewards/chosen": rc.mean().item(), "rewards/rejected": rr.mean().item(),
-         "rewards/margins": (rc - rr).mean().item(), "logps/chosen": pc.mean().item(), "logps/rejected": pr.mean().item()}
+    logps = all_reduce_sum(logps).cpu()
+    chosen, rejected = logps[:, 0], logps[:, 1]
+    chosen_rewards, rejected_rewards = beta * (chosen - ref[:, 0].cpu()), beta * (rejected - ref[:, 1].cpu())
+    right = (chosen_rewards > rejected_rewards).float()
+    m = {"pair_accuracy": right.mean().item(), "rewards/chosen": chosen_rewards.mean().item(),
+         "rewards/rejected": rejected_rewards.mean().item(),
+         "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+         "logps/chosen": chosen.mean().item(), "logps/rejected": rejected.mean().item()}
     for kind in sorted({k for _, _, k in items}):
         sel = torch.tensor([k == kind for _, _, k in items])
         m[f"accuracy/{kind}"] = right[sel].mean().item()
     return m
 
 
-if __name__ == "__main__":
+def main():
     from chat_eval import evaluate_chat, paired_change
-    from model import GPT
     from tasks import kto_rows, load_kto, load_preferences, preference_pairs, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
-    dist = init_dist(args.device)
-    device = dist.device
-    seed_everything(args.seed, dist.rank)
-    print_config(args, "chat_dpo")
-    out_dir = run_dir("dpo", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
     kto, orpo = args.loss == "kto", args.loss == "orpo"
-    nll_coef = 1.0 if orpo else args.rpo_alpha  # ORPO is SFT + the odds-ratio term; RPO adds the NLL to DPO
-
-    # data first: a malformed file fails before any model is loaded
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init)
+    if args.rpo_alpha and (kto or orpo):
+        raise UserError(f"--rpo-alpha adds the chosen answer's NLL to a reference-based pair loss; --loss {args.loss} "
+                        f"{'has it already' if orpo else 'has no chosen answer'}")
+    if args.ref == "live" and orpo:
+        raise UserError("--ref live: ORPO has no reference model")
+    # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     val_rows = None
     if args.data:
-        rows = load_kto(args.data) if kto else load_preferences(args.data)  # kto also reads unpaired rows
-        n_val = max(1, len(rows) // 50)  # a user file: hold out its last 2%
-        train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+        load = load_kto if kto else load_preferences  # kto also reads unpaired rows
+        rows = load(args.data)
+        if args.eval_data:
+            train_rows, val_rows = rows, load(args.eval_data)
+        else:  # a user file: hold out its last 2%
+            n_val = max(1, len(rows) // 50)
+            train_rows, val_rows = rows[:-n_val], rows[-n_val:]
         if kto:
             val_rows = pairs_of_singles(val_rows)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
+    dist = init_dist(args.device, args.dist_timeout)
+    device = dist.device
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "chat_dpo")
+    out_dir = run_dir("dpo", args.run_name)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
+    tok = Tokenizer.load(init)
 
-    ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(init, device=device, dtype=torch.float32)
+    ckpt = resume_checkpoint(out_dir) if args.resume else None
+    # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
+    model = wrap_model(load_model(init, fsdp=args.fsdp), fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:  # sampled from the starting policy, before any update
         prompts = rl_prompts("train", args.num_train, seed=args.seed)
         train_rows = on_policy_rows(model, tok, prompts, args.samples, args.temperature, args.max_new_tokens, args.seed)
         print0(f"on-policy: {len(train_rows)} pairs from {len(prompts)} prompts x {args.samples} samples")
         if not train_rows:
-            raise SystemExit("no prompt had both a correct and an incorrect answer: nothing to pair")
+            raise UserError("--pairs on-policy: no prompt had both a correct and an incorrect answer, nothing to "
+                            "pair; raise --samples or --temperature")
     if kto and "label" not in train_rows[0]:  # pairs (the embedded world's, or sampled): two labeled answers each
         train_rows = [single for r in train_rows for single in kto_rows(r)]
     items, counts = (kto_items if kto else pair_items)(tok, train_rows, args.max_len)
     val_items, _ = pair_items(tok, val_rows, args.max_len)
     if not items:
-        raise SystemExit(f"no training example fits in --max-len {args.max_len}: {counts}")
+        raise UserError(f"no training example fits in --max-len {args.max_len}: {counts}")
     print0(f"data: {len(items)} training {'answers' if kto else 'pairs'}, {len(val_items)} held-out pairs; {counts}"
            + ("" if val_items else " (no held-out pair: the implicit-reward accuracy is not measured)"))
 
     # the reference: the starting model's log-probs of both completions of every item, computed now
-    # (the policy IS the reference at step 0), or a frozen copy kept for live forwards
+    # (the policy IS the reference at step 0), or a frozen copy (compute dtype) kept for live forwards
     pad, cap = tok.pad_id, args.max_len
-    flat = lambda its: [e for it in its for e in it[:2]]  # noqa: E731  [a0, b0, a1, b1, ...]
-    val_ref = reference_logps(model, flat(val_items), pad, cap).view(-1, 2)
+    both = lambda its: [e for it in its for e in it[:2]]  # noqa: E731  [a0, b0, a1, b1, ...]
+    val_ref = reference_logps(model, both(val_items), pad, cap).view(-1, 2)
     ref_model, ref = None, None
     if orpo:
         pass  # ORPO has no reference in its loss (val_ref serves only the held-out implicit reward)
     elif args.ref == "precompute":
-        ref = reference_logps(model, flat(items), pad, cap).view(-1, 2)
+        ref = reference_logps(model, both(items), pad, cap).view(-1, 2)
     else:
-        ref_model = GPT.from_hf(init, device=device, dtype=torch.float32).eval().requires_grad_(False)
+        ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
     start_scores, start_correct = {}, None
-    eval_rows = rl_prompts("test", args.eval_problems)
-    if dist.is_main and args.eval_problems > 0 and not ckpt:  # the SFT start, measured the same way as the end
+    # greedy pass@1 on held-out problems: the embedded world's (a user's pairs have no answer key)
+    eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
+    if eval_rows and not ckpt:  # the SFT start, measured the same way as the end (every rank its share)
         start_scores, start_correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens,
                                                     per_prompt=True)
         print0("start, held-out greedy: " + "  ".join(f"{k} {v:.3f}" for k, v in start_scores.items()))
     if ckpt:
-        model = GPT.from_hf(ckpt, device=device, dtype=torch.float32)
+        model = wrap_model(load_model(ckpt, fsdp=args.fsdp), fsdp=args.fsdp)
+    unwrap(model).grad_checkpointing = args.grad_checkpointing
 
     per_step = args.batch_size
-    if per_step % (args.device_batch_size * dist.world_size):
-        parser.error(f"--batch-size must be a multiple of --device-batch-size x ranks "
-                     f"({args.device_batch_size} x {dist.world_size})")
-    accum = per_step // (args.device_batch_size * dist.world_size)
+    if per_step < dist.world_size:
+        raise UserError(f"--batch-size {per_step} must be at least the number of ranks ({dist.world_size})")
     steps_per_epoch = math.ceil(len(items) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:
-        start_step = load_training_state(ckpt, optimizer)["step"]
+        start_step = load_training_state(ckpt, optimizer, model)["step"]
         print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
-    print0(f"model: {model.num_params():,} parameters from {init}; loss {args.loss}, beta {args.beta}, ref "
-           f"{'none' if orpo else args.ref}; {total_steps} steps ({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
-    broadcast_parameters(model)
+    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; loss {args.loss}, beta {args.beta}, ref "
+           f"{'none' if orpo else args.ref}; {total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
-    def ref_of(idx, micro):  # (n, 2) reference log-probs of these items
+    def ref_of(idx):  # (n, 2) reference log-probs of these items
         if ref is not None:
             return ref[idx]
         with torch.no_grad():
-            return completion_logps(ref_model, flat(micro), pad, "packed", cap)[0].view(-1, 2)
+            return completion_logps(ref_model, both([items[i] for i in idx]), pad, "packed", cap)[0].view(-1, 2)
 
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc=args.loss)
     for step in bar:
         lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
         set_lr(optimizer, lr)
         mine = epoch_batch(len(items), step, per_step, args.seed)[dist.rank::dist.world_size]
-        micros = [mine[a * args.device_batch_size:(a + 1) * args.device_batch_size] for a in range(accum)]
-        # global normalizers: pairs (or answers) of the whole batch, and its chosen tokens for the NLL term
-        n_chosen_tokens = all_reduce_sum(float(sum(sum(t != IGNORE for t in items[i][0][1]) for i in mine)))
+        lengths = [len(items[i][0][0]) + (0 if kto else len(items[i][1][0])) for i in mine]
+        micros = [[mine[j] for j in part] for part in micro_batches(lengths, args.micro_batch_tokens, packed=True)]
+        # the global normalizer of the chosen answers' NLL (ORPO, RPO): their tokens in the whole step
+        chosen_tokens = all_reduce_sum(float(sum(sum(t != IGNORE for t in items[i][0][1]) for i in mine)))
         kl = 0.0
-        if kto:  # the reference point: mean log-ratio of the mismatched partners over the global batch
+        if kto:  # KTO's reference point: the mean log-ratio of mismatched answers over the global batch
+            kl_sum = 0.0
             with torch.no_grad():
-                kl_sum = sum((completion_logps(fwd, [items[i][1] for i in m], pad, "packed", cap)[0]
-                              - ref_of(m, [items[i] for i in m])[:, 1]).sum().item() for m in micros)
+                for m in micros:
+                    if not m:
+                        idle_pass(fwd, backward=False)
+                        if ref_model is not None:
+                            idle_pass(ref_model, backward=False)
+                        continue
+                    partners = completion_logps(fwd, [items[i][1] for i in m], pad, "packed", cap)[0]
+                    kl_sum += (partners - ref_of(m)[:, 1]).sum().item()
             kl = max(0.0, all_reduce_sum(kl_sum) / per_step)
-        stats = torch.zeros(8, dtype=torch.float64)
-        for m in micros:
-            micro = [items[i] for i in m]
-            n = len(micro)
-            if kto:
-                pa, la = completion_logps(fwd, [a for a, _, _ in micro], pad, "packed", cap)
-                good = torch.tensor([g for _, _, g in micro], device=device)
-                losses, rewards = kto_loss(pa, ref_of(m, micro)[:, 0], good, kl, args.beta,
-                                           args.desirable_weight, args.undesirable_weight)
-                g = good.double().cpu()
-                r, lp = rewards.double().cpu(), pa.detach().double().cpu()
-                batch_stats = [(r * g).sum(), (r * (1 - g)).sum(), 0.0, 0.0, (lp * g).sum(), (lp * (1 - g)).sum(), g.sum()]
-                pc = pa[good]  # no NLL term for KTO: nll_coef only applies to pairs
-            else:
-                lp, lengths = completion_logps(fwd, flat(micro), pad, "packed", cap)
-                pc, pr, lc, lr_ = lp[0::2], lp[1::2], lengths[0::2], lengths[1::2]
-                if orpo:
-                    losses, rc, rr = orpo_loss(pc, pr, lc, lr_, args.beta)
+        totals = {"loss": 0.0}
+        for j, m in enumerate(micros):
+            # DDP sums gradients over ranks only at the last pass of the step (forward and backward)
+            with no_sync(model, last=j == len(micros) - 1):
+                if not m:  # this rank has nothing left: join the other ranks' collectives, train nothing
+                    idle_pass(fwd)
+                    if ref_model is not None:
+                        idle_pass(ref_model, backward=False)
+                    continue
+                micro = [items[i] for i in m]
+                if kto:
+                    loss, stats = kto_micro_loss(fwd, micro, ref_of(m), pad_id=pad, capacity=cap,
+                                                 answers_per_step=per_step, kl=kl, beta=args.beta,
+                                                 desirable_weight=args.desirable_weight,
+                                                 undesirable_weight=args.undesirable_weight)
+                elif orpo:
+                    loss, stats = orpo_micro_loss(fwd, micro, pad_id=pad, capacity=cap, pairs_per_step=per_step,
+                                                  chosen_tokens_per_step=chosen_tokens, beta=args.beta)
                 else:
-                    rf = ref_of(m, micro)
-                    losses, rc, rr = dpo_loss(pc, pr, rf[:, 0], rf[:, 1], args.beta, args.loss, args.label_smoothing, lc, lr_)
-                rc, rr = rc.double().cpu(), rr.double().cpu()
-                batch_stats = [rc.sum(), rr.sum(), (rc - rr).sum(), (rc > rr).sum(), pc.detach().sum().cpu(),
-                               pr.detach().sum().cpu(), n]
-            # each pair's loss over the pairs of the global batch, the NLL over its chosen tokens (common.py)
-            loss = losses.sum() / per_step
-            if nll_coef and not kto:
-                loss = loss - nll_coef * pc.sum() / n_chosen_tokens
-            check_finite(loss, step)
-            loss.backward()
-            stats += torch.tensor([float(s) for s in batch_stats] + [loss.item()], dtype=torch.float64)
+                    loss, stats = dpo_micro_loss(fwd, micro, ref_of(m), pad_id=pad, capacity=cap,
+                                                 pairs_per_step=per_step, chosen_tokens_per_step=chosen_tokens,
+                                                 beta=args.beta, loss_type=args.loss,
+                                                 label_smoothing=args.label_smoothing, rpo_alpha=args.rpo_alpha)
+                check_finite(loss, step + 1)
+                loss.backward()
+            totals["loss"] += loss.item()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
-        s = all_reduce_sum(stats.to(device)).cpu().tolist()
-        if kto:  # s[6] = good answers in the batch
-            n_good, n_bad = max(s[6], 1), max(per_step - s[6], 1)
-            metrics = {"rewards/chosen": s[0] / n_good, "rewards/rejected": s[1] / n_bad, "kl": kl,
-                       "logps/chosen": s[4] / n_good, "logps/rejected": s[5] / n_bad}
-        else:
-            metrics = {"rewards/chosen": s[0] / per_step, "rewards/rejected": s[1] / per_step,
-                       "rewards/margins": s[2] / per_step, "rewards/accuracies": s[3] / per_step,
-                       "logps/chosen": s[4] / per_step, "logps/rejected": s[5] / per_step}
-        metrics = {"loss": round(s[7], 6), **{k: round(v, 5) for k, v in metrics.items()}, "lr": lr,
+        totals = all_reduce_dict(totals, keys=["loss", *((
+            ["rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "good", "bad"]) if kto else
+            ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected"])])
+        if kto:  # per good answer, per bad answer
+            n_good, n_bad = max(totals["good"], 1), max(totals["bad"], 1)
+            metrics = {"rewards/chosen": totals["rewards/chosen"] / n_good, "kl": kl,
+                       "rewards/rejected": totals["rewards/rejected"] / n_bad,
+                       "logps/chosen": totals["logps/chosen"] / n_good, "logps/rejected": totals["logps/rejected"] / n_bad}
+        else:  # per pair
+            metrics = {k: v / per_step for k, v in totals.items() if k != "loss"}
+        metrics = {"loss": round(totals["loss"], 6), **{k: round(v, 5) for k, v in metrics.items()}, "lr": lr,
                    "grad_norm": round(grad_norm, 4)}
-        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main and val_items:
+        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and val_items:
             ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
-            bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
-                      f"margin {ev['rewards/margins']:.3f}  logps/chosen {ev['logps/chosen']:.2f}")
+            if dist.is_main:
+                bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
+                          f"margin {ev['rewards/margins']:.3f}  logps/chosen {ev['logps/chosen']:.2f}")
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
+    # held-out, every rank its share: the implicit-reward metrics, and greedy pass@1 before and after
+    ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
+    if eval_rows:
+        scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, per_prompt=True)
+        ev.update(scores)
+        if start_correct is not None:  # the same problems before and after: the change and its error
+            ev["pass@1_change"], ev["pass@1_change_se"] = paired_change(start_correct, correct)
+    ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
+    ev["peak_memory_mb"] = peak_memory_mb(device)
+    ev["ref"] = "none" if orpo else args.ref
+    print0("held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
+    log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     if dist.is_main:
-        ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
-        if args.eval_problems > 0:
-            scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, per_prompt=True)
-            ev.update(scores)
-            if start_correct is not None:  # the same problems before and after: the change and its error
-                ev["pass@1_change"], ev["pass@1_change_se"] = paired_change(start_correct, correct)
-        ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
-        ev["peak_memory_mb"] = peak_memory_mb(device)
-        ev["ref"] = "none" if orpo else args.ref
-        print0("held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
-        log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
         write_eval(out_dir, ev)
     cleanup_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -34,9 +34,10 @@ from math import comb
 
 import torch
 
-from common import UserError, init_dist, nanopost_home, print0, resolve_model_path, run_main
+from common import (UserError, all_gather_objects, all_reduce_dict, dist_info, init_dist, nanopost_home, print0,
+                    resolve_model_path, run_main, unwrap)
 from engine import Engine
-from rewards import answer_text, format_ok, verify
+from rewards import answer_text, has_format, verify
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 
 STAGES = ("base", "sft", "rm", "dpo", "rl", "ppo")
@@ -55,29 +56,47 @@ def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperatu
                   seed=0, use_tools=False, batch_size=64, per_prompt=False):
     """Sample and grade; returns metrics (pass@1..num_samples, format_rate, stop_rate, mean_length), and
     with per_prompt=True also the number of correct samples of each row (for paired comparisons).
-    use_tools offers the calculator (its schema in the prompt, executed by the engine mid-rollout)."""
+    use_tools offers the calculator (its schema in the prompt, executed by the engine mid-rollout).
+    Under torchrun every rank evaluates its share of the rows (rows[rank::world]) and the counts are
+    summed, so no rank waits alone inside a collective while another evaluates; every rank must call it."""
+    info = dist_info()
     schemas = [CALCULATOR_SCHEMA] if use_tools else None
-    engine = Engine(model, tok, tools=TOOLS if use_tools else None)
-    correct_per_row, fmt, stops, lengths = [], 0, 0, 0
-    for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
-        prompts = [tok.render_for_completion(r["prompt"], tools=r.get("tools") or schemas) for r in chunk]
-        outs = engine.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + i)
-        for j, r in enumerate(chunk):
-            correct = 0
-            for o in outs[j * num_samples:(j + 1) * num_samples]:
-                answer = answer_text(tok.decode(o.tokens))
-                correct += verify(r["verifier"], answer, r["ground_truth"]) == 1.0
-                fmt += format_ok(answer) if r["verifier"] == "gsm8k" else 1
-                stops += o.finish_reason == "stop"
-                lengths += len(o.tokens)
-            correct_per_row.append(correct)
+    engine = Engine(unwrap(model), tok, tools=TOOLS if use_tools else None)
+    mine = list(range(info.rank, len(rows), info.world_size))
+    correct_of, totals = {}, {"format": 0.0, "stop": 0.0, "length": 0.0}
+    with engine.prepared():  # the sampler's weights, gathered once (a collective under FSDP2)
+        for i in range(0, len(mine), batch_size):
+            chunk = [rows[j] for j in mine[i:i + batch_size]]
+            prompts = [tok.render_for_completion(r["prompt"], tools=r.get("tools") or schemas) for r in chunk]
+            outs = engine.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + mine[i])
+            for j, r in enumerate(chunk):
+                correct = 0
+                for o in outs[j * num_samples:(j + 1) * num_samples]:
+                    answer = answer_text(tok.decode(o.tokens))
+                    correct += verify(r["verifier"], answer, r["ground_truth"]) == 1.0
+                    totals["format"] += has_format(r["verifier"], answer)
+                    totals["stop"] += o.finish_reason == "stop"
+                    totals["length"] += len(o.tokens)
+                correct_of[mine[i + j]] = correct
+    pass_sums = {f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in correct_of.values())
+                 for k in range(1, num_samples + 1)}
+    sums = all_reduce_dict({**pass_sums, **totals}, keys=[*pass_sums, *totals])
     n_total = len(rows) * num_samples
-    metrics = {f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in correct_per_row) / len(rows)
-               for k in range(1, num_samples + 1)}
-    metrics.update(format_rate=fmt / n_total, stop_rate=stops / n_total, mean_length=lengths / n_total)
-    return (metrics, correct_per_row) if per_prompt else metrics
+    metrics = {k: sums[k] / len(rows) for k in pass_sums}
+    metrics.update(format_rate=sums["format"] / n_total, stop_rate=sums["stop"] / n_total,
+                   mean_length=sums["length"] / n_total)
+    if not per_prompt:
+        return metrics
+    return metrics, _in_row_order(correct_of, len(rows))
+
+
+def _in_row_order(correct_of, n):
+    """Every rank's {row index: correct count} merged into one list in row order."""
+    merged = {}
+    for part in all_gather_objects(correct_of):
+        merged.update(part)
+    return [merged[i] for i in range(n)]
 
 
 def paired_change(before: list, after: list) -> tuple[float, float]:
@@ -109,14 +128,6 @@ def report(run: str = "default") -> dict:
     return rep
 
 
-def model_path(path: str) -> str:
-    """A model folder, or a run directory's latest checkpoint; a user's mistake if neither."""
-    try:
-        return resolve_model_path(path)
-    except FileNotFoundError as e:
-        raise UserError(str(e)) from None
-
-
 # ------------------------------------------------------------------------------------------------
 # --compare: two runs on the same problems with the same seeds
 
@@ -133,7 +144,7 @@ def compare_runs(run_a: str, run_b: str, problems: int = 500, samples: int = 4, 
     from model import GPT
     from tokenizer import Tokenizer
     rows = rl_prompts("test", problems)
-    paths = {"a": model_path(run_a), "b": model_path(run_b)}
+    paths = {"a": resolve_model_path(run_a), "b": resolve_model_path(run_b)}
     greedy, sampled = {}, {}
     for side, path in paths.items():  # one model in memory at a time
         model, tok = GPT.from_hf(path, device=device), Tokenizer.load(path)
@@ -308,7 +319,7 @@ def main():
         from model import GPT
         from tokenizer import Tokenizer
         dist = init_dist(args.device)
-        path = model_path(args.model)
+        path = resolve_model_path(args.model)
         model, tok = GPT.from_hf(path, device=dist.device), Tokenizer.load(path)
         rows = rl_prompts("test", args.problems or 200)
         m = evaluate_chat(model, tok, rows, num_samples=args.samples or 1, max_new_tokens=args.max_new_tokens,

@@ -12,7 +12,9 @@ Four networks run at once:
 
 One step, in the order verl runs it: generate -> log-probs (actor) -> reference log-probs -> values
 (critic) -> rewards (score at the last answer token, -beta * KL at every token) -> advantages (GAE)
--> critic update -> actor update, for --ppo-epochs passes of --minibatches optimizer steps each.
+-> critic update -> actor update, for --ppo-epochs passes of --minibatches optimizer steps each. The
+update is written out in ppo_losses, CleanRL's order: the ratio, the approximate KL and the clip fraction,
+the clipped surrogate, the clipped value loss, the entropy, and the two sums the optimizers step on.
 
     PPO          Schulman et al. 2017                     https://arxiv.org/abs/1707.06347
     GAE          Schulman et al. 2015                     https://arxiv.org/abs/1506.02438
@@ -35,11 +37,12 @@ import time
 
 import torch
 
-from chat_rl import kl_penalty, policy_loss, rollout_tensors, tis_weights  # the GRPO family's loss IS PPO's
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer,
-                    nanopost_home, optimizer_step, peak_memory_mb, print0, print_config, progress,
-                    resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype,
+                    global_mean_var, idle_pass, init_dist, load_model, load_training_state, lr_at, make_optimizer,
+                    micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, print_config,
+                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+from rollout import batch_logprobs, kl_penalty, sample, tis_weights, training_batch
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
 parser.add_argument("--init", default=None, help="actor (and reference) model folder or run dir (default: the SFT run)")
@@ -49,6 +52,7 @@ parser.add_argument("--run-name", default="default")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
+parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
 parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
 # rollouts
 parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
@@ -62,7 +66,9 @@ parser.add_argument("--top-p", type=float, default=None)
 parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn tool rollouts")
 parser.add_argument("--max-tool-turns", type=int, default=4)
 # rewards
-parser.add_argument("--reward", default="verifier", help="'verifier' (per-row) or 'rm:PATH' (a reward model)")
+parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
+                    "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
+parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
 parser.add_argument("--truncated-reward", type=float, default=None, help="score of an answer cut at the length limit, instead of its grade (e.g. -1 with an RM)")
 parser.add_argument("--kl-beta", type=float, default=0.05, help="weight of the per-token KL penalty in the reward")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k1", help="KL estimator in the reward (k1: unbiased log-ratio)")
@@ -75,11 +81,16 @@ parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=T
 parser.add_argument("--eps-low", type=float, default=0.2)
 parser.add_argument("--eps-high", type=float, default=0.2, help="0.2: classic symmetric PPO clip")
 parser.add_argument("--value-clip", type=float, default=0.2, help="how far a value may move from its snapshot per batch (0: off)")
+parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus in the actor's loss")
+parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
 parser.add_argument("--tis-cap", type=float, default=2.0, help="truncated importance sampling cap on trainer/engine ratios (0: off)")
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (per model)")
-parser.add_argument("--device-batch-size", type=int, default=32, help="sequences per forward pass")
+parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--lr", type=float, default=1e-4, help="actor learning rate")
 parser.add_argument("--critic-lr", type=float, default=5e-4)
 parser.add_argument("--warmup-steps", type=int, default=3)
@@ -88,7 +99,7 @@ parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train onl
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=20)
-parser.add_argument("--eval-problems", type=int, default=200)
+parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
 parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 parser.add_argument("--save-every", type=int, default=20)
 parser.add_argument("--resume", action="store_true")
@@ -136,7 +147,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     tool-result token) neither receives nor passes on credit. The recursion steps over it, so V_next is
     the value at the next ANSWER token, and 0 after the last one.
 
-    Worked numbers (seed), gamma 1, lam 0.95, reward 1 at the end only:
+    Example: gamma 1, lam 0.95, reward 1 at the last token only:
         t   r    V     V_next  delta   A_t
         0   0   0.50   0.55   +0.05   +0.436389
         1   0   0.55   0.60   +0.05   +0.406725
@@ -157,42 +168,32 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     return advantages, (advantages + values) * mask
 
 
-def masked_mean_var(x, mask):
-    """Mean and (population) variance of x over the masked tokens of the WHOLE batch, all ranks."""
-    mask = mask.to(x.dtype)
-    n = max(1.0, all_reduce_sum(float(mask.sum())))
-    mean = all_reduce_sum(float((x * mask).sum())) / n
-    var = all_reduce_sum(float((((x - mean) * mask) ** 2).sum())) / n
-    return mean, var
-
-
 def whiten(advantages, mask, eps=1e-8):
     """Advantages to mean 0, std 1 over the answer tokens of the global batch (every rank's, so a rank
     with only wrong answers is not told they were average). Zero outside the mask.
-    Worked numbers: the seed's A = 0.436389, 0.406725, 0.375500, 0.290000, 0.200000 (mean 0.341723,
+    Example: A = 0.436389, 0.406725, 0.375500, 0.290000, 0.200000 (gae's example; mean 0.341723,
     std 0.086126) -> +1.0992, +0.7547, +0.3922, -0.6005, -1.6455."""
-    mean, var = masked_mean_var(advantages, mask)
+    mean, var = global_mean_var(advantages, mask)
     return (advantages - mean) * (var + eps) ** -0.5 * mask.to(advantages.dtype)
 
 
 def explained_variance(values, returns, mask):
     """1 - Var[R - V] / Var[R] over the answer tokens: 1 is a perfect critic, 0 one no better than a
     constant, negative one that is worse than a constant."""
-    _, var_r = masked_mean_var(returns, mask)
-    _, var_err = masked_mean_var(returns - values, mask)
+    _, var_r = global_mean_var(returns, mask)
+    _, var_err = global_mean_var(returns - values, mask)
     return 1.0 - var_err / max(var_r, 1e-12)
 
 
 # ------------------------------------------------------------------------------------------------
-# The losses: the actor's is chat_rl.policy_loss (imported), the critic's is below
+# The losses
 
 def value_loss(values, old_values, returns, mask, clip=0.2, normalizer=None):
     """The clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2), V_clip = V_old + clip(V - V_old, -c, c):
     within one rollout batch a value may not move more than `clip` from its snapshot; past that the
     larger (clipped) error is what counts, and it has no gradient. Returns (loss, stats).
     Aggregation: token-mean, the sum over answer tokens divided by `normalizer`, the GLOBAL answer-token
-    count of the minibatch (all micro-batches, all ranks), as chat_rl.py's policy loss: so N ranks give
-    one rank's gradient.
+    count of the minibatch (all micro-batches, all ranks): so N ranks give one rank's gradient.
     Worked numbers: V_old 0.5, V 0.9 (moved +0.4, clipped to 0.7):
         R = 1.0: 0.5 * max(0.01, 0.09) = 0.045, the clipped side: no gradient
         R = 0.6: 0.5 * max(0.09, 0.01) = 0.045, the unclipped side: gradient V - R = +0.3"""
@@ -210,90 +211,107 @@ def value_loss(values, old_values, returns, mask, clip=0.2, normalizer=None):
     return loss, {"clip_frac": ((is_clipped.to(mask.dtype) * mask).sum() / n_tok).item()}
 
 
-def ppo_losses(actor, critic, x, y, mask, old_logp, old_values, advantages, returns, normalizer,
-               temperature=1.0, eps_low=0.2, eps_high=0.2, value_clip=0.2, weights=None):
-    """Both losses on one micro-batch, each normalized by the minibatch's global answer-token count."""
-    logp = actor.token_logprobs(x, y, temperature=temperature)
-    pg_loss, pg_stats = policy_loss(logp, old_logp, advantages, mask, eps_low, eps_high, normalizer=normalizer,
-                                    weights=weights)
+def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, returns, normalizer,
+               temperature=1.0, top_k=None, top_p=None, eps_low=0.2, eps_high=0.2, value_clip=0.2,
+               entropy_coef=0.0, tis=None):
+    """The actor's and the critic's losses on one micro-batch, in CleanRL's order, every term normalized
+    by the minibatch's GLOBAL answer-token count (`normalizer`). Returns (actor_loss, critic_loss, stats);
+    the two networks are separate, so one backward of their sum gives each its own gradient.
+    tis: optional (B, T) truncated importance weights (sampler/trainer mismatch), detached."""
+    m = mask.to(torch.float32)
+    logp, entropy = actor(x, y, temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=True)
+    log_ratio = logp - old_logp                        # old_logp: the snapshot before this batch's first update
+    ratio = log_ratio.exp()
+    with torch.no_grad():
+        approx_kl = (((ratio - 1) - log_ratio) * m).sum()          # k3(sampling policy || current), summed
+        clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).float()
+    pg_loss1 = -advantages * ratio                     # the surrogate: -min(r A, clip(r) A)
+    pg_loss2 = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
+    pg_loss = torch.max(pg_loss1, pg_loss2)
+    if tis is not None:
+        pg_loss = pg_loss * tis
+    pg_loss = (pg_loss * m).sum() / normalizer
+    entropy_loss = (entropy * m).sum() / normalizer
+    actor_loss = pg_loss - entropy_coef * entropy_loss  # an entropy bonus: one coefficient in the sum
     v_loss, v_stats = value_loss(critic(x), old_values, returns, mask, value_clip, normalizer=normalizer)
-    return pg_loss, v_loss, {"clip_frac": pg_stats["clip_frac"], "ratio_mean": pg_stats["ratio_mean"],
-                             "value_clip_frac": v_stats["clip_frac"]}
+    stats = {"policy_loss": pg_loss.item(), "entropy": entropy_loss.item(), "approx_kl_sum": approx_kl.item(),
+             "clip_sum": (clipped * m).sum().item(), "ratio_sum": (ratio.detach() * m).sum().item(),
+             "value_clip_sum": v_stats["clip_frac"] * m.sum().item()}
+    return actor_loss, v_loss, stats
 
 
-if __name__ == "__main__":
+def main():
     from chat_eval import evaluate_chat
-    from rewards import answer_text, format_ok, verify
     from engine import Engine
-    from model import GPT
+    from rewards import Grader
     from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
-    dist = init_dist(args.device)
+    # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    if args.data:  # held out: --eval-data, or the last 2% of --data
+        rows = load_rl(args.data)
+        eval_rows = load_rl(args.eval_data) if args.eval_data else rows[len(rows) - max(1, len(rows) // 50):]
+        rows = rows if args.eval_data else rows[:len(rows) - len(eval_rows)]
+        eval_rows = eval_rows[:args.eval_problems]
+    else:
+        rows = rl_prompts("train", args.num_prompts, seed=args.seed)
+        eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
+    dist = init_dist(args.device, args.dist_timeout)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_ppo")
     out_dir = run_dir("ppo", args.run_name)
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
     if args.prompts_per_step % dist.world_size:
-        parser.error(f"--prompts-per-step must be a multiple of the number of ranks ({dist.world_size})")
+        raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
     local_prompts = args.prompts_per_step // dist.world_size
     S = args.samples_per_prompt
     if local_prompts * S < args.minibatches:
-        parser.error(f"each rank needs at least --minibatches answers per step ({local_prompts * S} < {args.minibatches})")
-
-    rows = load_rl(args.data) if args.data else rl_prompts("train", args.num_prompts, seed=args.seed)
-    eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
+        raise UserError(f"each rank needs at least --minibatches answers per step ({local_prompts * S} < {args.minibatches})")
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
 
-    # the four networks. 1: the actor, the policy being trained
-    ckpt = latest_checkpoint(out_dir) if args.resume else None
-    critic_ckpt = latest_checkpoint(os.path.join(out_dir, "critic")) if args.resume else None
-    actor = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)  # fp32 master weights
+    # the four networks. 1: the actor, the policy being trained, float32 master weights
+    ckpt = resume_checkpoint(out_dir) if args.resume else None
+    critic_ckpt = resume_checkpoint(os.path.join(out_dir, "critic")) if args.resume else None
+    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
     # 2: the critic, a value head on a GPT trunk; by default the reward model's (InstructGPT, Tülu 3)
-    critic_init = args.critic_init
-    if critic_init is None:
-        critic_init = os.path.join(nanopost_home(), "rm", "default")
-        try:
-            critic_init = resolve_model_path(critic_init)
-        except FileNotFoundError:
-            print0(f"no reward model at {critic_init} (train one with chat_rm.py to start the critic from it, "
-                   f"as InstructGPT and Tülu 3 do); starting the critic from {init} with a fresh value head")
-            critic_init = init
+    if args.critic_init is not None:
+        critic_init = resolve_model_path(args.critic_init)
     else:
-        critic_init = resolve_model_path(critic_init)
-    critic = GPT.from_hf(critic_ckpt or critic_init, device=device, dtype=torch.float32, head="scalar")
-    # 3: the reward: the row's verifier, or a reward model
-    reward_model = None
-    if args.reward.startswith("rm:"):
-        from chat_rm import load_reward_model, score
-        reward_model = load_reward_model(args.reward[3:], device)
-    elif args.reward != "verifier":
-        parser.error("--reward must be 'verifier' or 'rm:PATH'")
-    # 4: the frozen reference (not loaded when there is no KL penalty)
+        try:
+            critic_init = resolve_model_path(os.path.join(nanopost_home(), "rm", "default"))
+        except UserError:
+            print0(f"no reward model at {os.path.join(nanopost_home(), 'rm', 'default')} (train one with chat_rm.py "
+                   f"to start the critic from it, as InstructGPT and Tülu 3 do); starting the critic from {init} "
+                   f"with a fresh value head")
+            critic_init = init
+    critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp), fsdp=args.fsdp)
+    unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
+    # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
+    grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
+    # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
     use_kl = args.kl_beta > 0 or args.kl_target is not None
-    ref_model = GPT.from_hf(init, device=device, dtype=torch.float32).eval().requires_grad_(False) if use_kl else None
+    ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False) if use_kl else None
 
     actor_opt = make_optimizer(actor, args.lr)
     critic_opt = make_optimizer(critic, args.critic_lr)
     start_step, kl_beta, train_clock = 0, args.kl_beta, 0.0
     if ckpt:
-        if critic_ckpt is None or os.path.basename(critic_ckpt) != os.path.basename(ckpt):
-            raise FileNotFoundError(f"resuming from {ckpt} needs the critic checkpoint of the same step under "
-                                    f"{os.path.join(out_dir, 'critic')}; found {critic_ckpt}")
-        load_training_state(critic_ckpt, critic_opt)
-        state = load_training_state(ckpt, actor_opt)
+        if os.path.basename(critic_ckpt) != os.path.basename(ckpt):
+            raise UserError(f"--resume: the actor's checkpoint {ckpt} and the critic's {critic_ckpt} are of different "
+                            f"steps; remove the newer one")
+        load_training_state(critic_ckpt, critic_opt, critic)
+        state = load_training_state(ckpt, actor_opt, actor)
         start_step, kl_beta, train_clock = state["step"], state["kl_beta"], state["train_seconds"]
         print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
-    broadcast_parameters(actor)
-    broadcast_parameters(critic)
-    engine = Engine(actor, tok, tools=TOOLS if args.tools else None)
+    engine = Engine(unwrap(actor), tok, tools=TOOLS if args.tools else None)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
-    print0(f"actor {actor.num_params():,} parameters from {init}; critic {critic.num_params():,} from {critic_init}; "
+    logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from {critic_init}; "
            f"reward {args.reward}; reference {'loaded' if ref_model else 'off (no KL)'}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {S} answers per step on {dist.world_size} rank(s)")
 
@@ -308,21 +326,10 @@ if __name__ == "__main__":
         print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
-    def grade(row, completion, rm_score=None):
-        """The score of one answer: its verifier's grade, or the reward model's score."""
-        if args.truncated_reward is not None and completion.finish_reason == "length":
-            return args.truncated_reward
-        if rm_score is not None:
-            return rm_score
-        try:
-            return verify(row["verifier"], answer_text(tok.decode(completion.tokens)), row["ground_truth"])
-        except Exception as e:  # a verifier that raises scores 0, is counted, and never stops the run
-            verifier_errors.append(f"{type(e).__name__}: {e}")
-            return 0.0
-
-    verifier_errors = []
-    if dist.is_main and start_step == 0:
-        log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in evaluate(0).items()})
+    final_scores = None
+    if start_step == 0 and eval_rows:  # every rank evaluates its share
+        final_scores = evaluate(0)
+        log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="ppo")
     for step in bar:
         t_step = time.time()
@@ -334,27 +341,32 @@ if __name__ == "__main__":
         # 1. generate: this rank's prompts (a pure function of seed, step and rank), S answers each, graded
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dist.rank)
         batch_rows = [rows[i] for i in torch.randint(len(rows), (local_prompts,), generator=g).tolist()]
-        prompts = [tok.render_for_completion(r["prompt"], tools=tool_schemas) for r in batch_rows]
-        outs = engine.generate(prompts, num_samples=S, max_new_tokens=args.max_new_tokens,
-                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                               seed=int(g.initial_seed()) % 2**31, max_tool_turns=args.max_tool_turns)
-        verifier_errors.clear()
-        rm_scores = [None] * len(outs) if reward_model is None else \
-            score(reward_model, [prompts[o.prompt_index] + o.tokens for o in outs])  # one batched pass
-        scores = torch.tensor([grade(batch_rows[o.prompt_index], o, s) for o, s in zip(outs, rm_scores)])
-        x, y, mask, engine_logp, scores = rollout_tensors(prompts, outs, scores, tok.pad_id, device)
+        rollouts = sample(engine, batch_rows, grader, samples_per_prompt=S, seed=int(g.initial_seed()) % 2**31,
+                          tool_schemas=tool_schemas, max_new_tokens=args.max_new_tokens,
+                          max_tool_turns=args.max_tool_turns, **logits_settings)
+        scores = rollouts.rewards.clone()
+        if args.truncated_reward is not None:  # an answer cut at the limit never reached its end
+            truncated = torch.tensor([c.finish_reason == "length" for c in rollouts.completions])
+            scores[truncated] = args.truncated_reward
+        batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device)
+        mask, scores = batch.mask, scores.to(device)
         t_sample = time.time() - t_step
 
         # 2. the snapshot, before any update on this batch: the actor's log-probs (the "old" policy of
         #    the ratio), the reference's, and the critic's values
         t1 = time.time()
-        micro = [slice(i, i + args.device_batch_size) for i in range(0, len(outs), args.device_batch_size)]
+        old_logp, entropy = batch_logprobs(actor, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
+        ref_logp = old_logp if ref_model is None else batch_logprobs(ref_model, batch, args.micro_batch_tokens,
+                                                                     **logits_settings)
+        old_values = torch.zeros_like(mask)
         with torch.no_grad(), autocast(device):
-            old_logp = torch.cat([actor.token_logprobs(x[s], y[s], temperature=args.temperature) for s in micro])
-            ref_logp = old_logp if ref_model is None else \
-                torch.cat([ref_model.token_logprobs(x[s], y[s], temperature=args.temperature) for s in micro])
-            old_values = torch.cat([critic(x[s]) for s in micro]).float() * mask
-        tis = tis_weights(old_logp, engine_logp, args.tis_cap) if args.tis_cap > 0 else None
+            for part in micro_batches(batch.lengths, args.micro_batch_tokens):
+                if not part:  # join the other ranks' passes (an FSDP2 forward is a collective)
+                    idle_pass(critic, backward=False)
+                    continue
+                i, cols = torch.tensor(part, device=device), int(batch.lengths[part].max())
+                old_values[i, :cols] = critic(batch.inputs[i, :cols]).float() * mask[i, :cols]
+        tis = tis_weights(old_logp, batch.engine_logp, args.tis_cap) if args.tis_cap > 0 else None
 
         # 3. rewards (score at the end, KL everywhere) and advantages (GAE, then whitened over all ranks)
         rewards, kl = token_rewards(scores, old_logp, ref_logp, mask, kl_beta, args.kl_kind)
@@ -365,51 +377,72 @@ if __name__ == "__main__":
 
         # 4. --ppo-epochs passes, each --minibatches optimizer steps of the critic and of the actor; each
         #    minibatch's losses are normalized by its GLOBAL answer-token count (see value_loss)
-        st = {"policy_loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "ratio_mean": 0.0, "value_clip_frac": 0.0}
-        n_updates = 0
-        order = torch.randperm(len(outs), generator=torch.Generator().manual_seed(step))
+        st = {"policy_loss": 0.0, "value_loss": 0.0, "clip_sum": 0.0, "ratio_sum": 0.0, "value_clip_sum": 0.0,
+              "tokens": 0.0, "approx_kl": 0.0}
+        n_updates, stopped_early = 0, False
+        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(step))
         for epoch in range(args.ppo_epochs):
             for mb in order.tensor_split(args.minibatches):  # the same number of steps on every rank
                 norm = all_reduce_sum(float(mask[mb].sum()))
                 if norm == 0:
                     continue
-                for s in range(0, len(mb), args.device_batch_size):
-                    i = mb[s:s + args.device_batch_size]
-                    with autocast(device):
-                        pg_loss, v_loss, mst = ppo_losses(actor, critic, x[i], y[i], mask[i], old_logp[i],
-                                                          old_values[i], advantages[i], returns[i], norm,
-                                                          args.temperature, args.eps_low, args.eps_high,
-                                                          args.value_clip, None if tis is None else tis[i])
-                    check_finite(pg_loss + v_loss, step)
-                    (pg_loss * train_actor + v_loss).backward()  # two separate networks: two separate grads
-                    n_i = float(mask[i].sum())
-                    st["policy_loss"] += pg_loss.item()
-                    st["value_loss"] += v_loss.item()
-                    for k in ("clip_frac", "ratio_mean", "value_clip_frac"):
-                        st[k] += mst[k] * n_i
+                mb_kl = 0.0
+                passes = micro_batches(batch.lengths[mb], args.micro_batch_tokens)
+                for j, part in enumerate(passes):
+                    last = j == len(passes) - 1  # DDP sums gradients over ranks only at the last pass
+                    with no_sync(actor, last), no_sync(critic, last):
+                        if not part:  # no answers left on this rank: join the others' collectives, train nothing
+                            idle_pass(actor)
+                            idle_pass(critic)
+                            continue
+                        i, cols = mb[part].to(device), int(batch.lengths[mb[part]].max())
+                        with autocast(device):
+                            actor_loss, critic_loss, mst = ppo_losses(
+                                actor, critic, batch.inputs[i, :cols], batch.targets[i, :cols], mask[i, :cols],
+                                old_logp=old_logp[i, :cols], old_values=old_values[i, :cols],
+                                advantages=advantages[i, :cols], returns=returns[i, :cols], normalizer=norm,
+                                eps_low=args.eps_low, eps_high=args.eps_high, value_clip=args.value_clip,
+                                entropy_coef=args.entropy_coef, tis=None if tis is None else tis[i, :cols],
+                                **logits_settings)
+                        check_finite(actor_loss + critic_loss, step + 1)
+                        (actor_loss * train_actor + critic_loss).backward()
+                    st["policy_loss"] += mst["policy_loss"]
+                    st["value_loss"] += critic_loss.item()
+                    for k in ("clip_sum", "ratio_sum", "value_clip_sum"):
+                        st[k] += mst[k]
+                    st["tokens"] += float(mask[i].sum())
+                    mb_kl += mst["approx_kl_sum"]
                 optimizer_step(critic, critic_opt, args.grad_clip)
                 if train_actor:
                     optimizer_step(actor, actor_opt, args.grad_clip)
                 else:
                     actor_opt.zero_grad(set_to_none=True)
                 n_updates += 1
+                approx_kl = all_reduce_sum(mb_kl) / norm  # every rank sees the same number: same decision
+                st["approx_kl"] += approx_kl
+                if args.target_kl is not None and train_actor and approx_kl > args.target_kl:
+                    stopped_early = True
+                    break
+            if stopped_early:
+                break
         t_train = time.time() - t1
 
         # 5. the adaptive KL controller moves beta towards the target KL per answer
-        n_ans = all_reduce_sum(float(len(outs)))
+        n_ans = all_reduce_sum(float(len(rollouts)))
         kl_per_answer = all_reduce_sum(float(kl.sum())) / n_ans
         if args.kl_target is not None:
             kl_beta = adaptive_kl_beta(kl_beta, kl_per_answer, args.kl_target, args.kl_horizon, n_ans)
 
         # 6. log (every number summed over ranks) and stop when the time budget is spent
         train_clock += time.time() - t_step
-        lengths = torch.tensor([len(o.tokens) for o in outs], dtype=torch.float)
+        s = all_reduce_dict(rollouts.stats())  # the same names on every rank: one collective
         n_tok = max(1.0, all_reduce_sum(float(mask.sum())))
-        n_passes = n_tok * args.ppo_epochs
-        sampled_tokens = float(lengths.sum())
+        n_passes = max(1.0, all_reduce_sum(st["tokens"]))
         metrics = {
             "reward": all_reduce_sum(float(scores.sum())) / n_ans,               # the score, before the KL penalty
-            "accuracy": all_reduce_sum(float((scores >= 1.0).sum())) / n_ans,
+            "accuracy": s["correct"] / n_ans,
+            **{k: v / n_ans for k, v in s.items() if k.startswith("reward/")},
+            **{k: v for k, v in s.items() if k.startswith("count/")},
             "kl": all_reduce_sum(float(kl.sum())) / n_tok,                       # per token (k-estimator of --kl-kind)
             "kl_per_answer": kl_per_answer,
             "kl_beta": kl_beta,
@@ -418,30 +451,33 @@ if __name__ == "__main__":
             "explained_var": explained_var,
             "value_mean": all_reduce_sum(float(old_values.sum())) / n_tok,
             "return_mean": all_reduce_sum(float(returns.sum())) / n_tok,
-            "clip_frac": all_reduce_sum(st["clip_frac"]) / n_passes,
-            "value_clip_frac": all_reduce_sum(st["value_clip_frac"]) / n_passes,
-            "ratio_mean": all_reduce_sum(st["ratio_mean"]) / n_passes,
-            "entropy": all_reduce_sum(float(-(engine_logp * mask).sum())) / n_tok,  # E[-log p] of sampled tokens
-            "verifier_errors": all_reduce_sum(float(len(verifier_errors))),
-            "length_mean": all_reduce_sum(sampled_tokens) / n_ans,
-            "length_max": lengths.max().item(),
-            "truncated_frac": all_reduce_sum(float(sum(o.finish_reason == "length" for o in outs))) / n_ans,
-            "logprob_mismatch": all_reduce_sum(float(((old_logp - engine_logp).abs() * mask).sum())) / n_tok,
-            "sample_tok_per_s": all_reduce_sum(sampled_tokens / max(t_sample, 1e-9)),
-            "train_tok_per_s": all_reduce_sum(float((y != IGNORE).sum()) * args.ppo_epochs / max(t_train, 1e-9)),
-            "tok_per_s": all_reduce_sum(sampled_tokens) / max(time.time() - t_step, 1e-9),
+            "clip_frac": all_reduce_sum(st["clip_sum"]) / n_passes,
+            "value_clip_frac": all_reduce_sum(st["value_clip_sum"]) / n_passes,
+            "ratio_mean": all_reduce_sum(st["ratio_sum"]) / n_passes,
+            "approx_kl": st["approx_kl"] / max(1, n_updates),
+            "updates": n_updates,
+            "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
+            "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
+            "length_mean": s["length_sum"] / n_ans,
+            "length_max": max(len(c.tokens) for c in rollouts.completions),
+            "truncated_frac": s["truncated"] / n_ans,
+            "tool_use_rate": s["tool_answers"] / n_ans,
+            "logprob_mismatch": all_reduce_sum(float(((old_logp - batch.engine_logp).abs() * mask).sum())) / n_tok,
+            "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
+            "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
+            "tok_per_s": s["length_sum"] / max(time.time() - t_step, 1e-9),
             "lr": lr,
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
         }
-        # rank 0's clock decides for all (the other ranks' clocks include waiting for its evaluations)
+        # rank 0's clock decides for all, so that every rank stops at the same step
         over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget
-        if dist.is_main and ((step + 1) % args.eval_every == 0 or last):
+        if eval_rows and ((step + 1) % args.eval_every == 0 or last):
             final_scores = evaluate(step + 1)
             metrics.update({f"eval/{k}": v for k, v in final_scores.items()})
-        if verifier_errors:
-            print0(f"step {step + 1}: {len(verifier_errors)} verifier error(s) scored 0, e.g. {verifier_errors[0]}")
+        if rollouts.errors:
+            print0(f"step {step + 1}: {len(rollouts.errors)} verifier error(s) scored 0, e.g. {rollouts.errors[0]}")
         log.log(step + 1, **metrics)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", ev=f"{explained_var:.2f}", kl=f"{metrics['kl']:.4f}",
                         refresh=False)
@@ -453,7 +489,13 @@ if __name__ == "__main__":
             print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
             break
 
-    if dist.is_main:
-        write_eval(out_dir, final_scores if start_step < args.steps else evaluate(start_step))
-        print0(f"peak memory {peak_memory_mb(device):.0f} MiB")
+    if eval_rows:
+        scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(start_step)
+        if dist.is_main:
+            write_eval(out_dir, scores)
+    print0(f"peak memory {peak_memory_mb(device):.0f} MiB")
     cleanup_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

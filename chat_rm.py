@@ -8,7 +8,7 @@ Trained with the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected), which c
 between two scores (see reward_loss), plus GRM's regularizer (Yang et al. 2024): the chat model's own
 LM loss on the chosen answers, which keeps the trunk's features while the head learns to read them (see
 lm_regularizer). chat_rl.py and chat_ppo.py use the result as their reward (`--reward rm:PATH`) through
-load_reward_model and score below.
+rewards.load_reward_model and rewards.score.
 
     python chat_rm.py                                               # 1 CPU, the embedded world's pairs
     python chat_rm.py --data prefs.jsonl --init /models/my-sft --device cuda     # 1 GPU
@@ -28,10 +28,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite, cleanup_dist,
-                    epoch_batch, init_dist, latest_checkpoint, load_training_state, lr_at, make_optimizer,
-                    nanopost_home, optimizer_step, pack_sequences, print0, print_config, progress, resolve_model_path,
-                    run_dir, save_checkpoint, seed_everything, set_lr, write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
+                    check_finite, cleanup_dist, dist_info, epoch_batch, idle_pass, init_dist, load_model,
+                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
+                    pack_sequences, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
+                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
+from rewards import score
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
@@ -39,13 +41,17 @@ parser.add_argument("--run-name", default="default", help="run name: output goes
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
+parser.add_argument("--eval-data", default=None, help="held-out preference rows (default: the last 2%% of --data)")
 parser.add_argument("--num-train", type=int, default=12000, help="embedded-world training pairs")
 parser.add_argument("--kinds", default="wrong_step=6,missing_answer=1,rambling=1",
                     help="embedded-world training mix, kind=weight (held-out pairs are always an equal mix)")
 parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's last 2%%)")
 parser.add_argument("--max-len", type=int, default=512, help="a pair whose prompt + answer exceeds this is dropped (counted)")
 parser.add_argument("--batch-size", type=int, default=32, help="pairs per optimizer step, all ranks together")
-parser.add_argument("--device-batch-size", type=int, default=16, help="pairs per forward pass")
+parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a pair count)")
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=3e-3)
@@ -74,7 +80,7 @@ def reward_loss(rewards_chosen, rewards_rejected, margin=None, center_coef=None)
     pins the mean score near 0 without touching the ranking. `margin` (Llama 2) asks for a bigger gap
     on pairs the labelers were surer about.
 
-    Worked numbers (seed): pairs A..D with margins +1.70, +0.35, +1.40, +0.85 lose 0.1678, 0.5334,
+    Example: pairs A..D with margins +1.70, +0.35, +1.40, +0.85 lose 0.1678, 0.5334,
     0.2204, 0.3559: total 1.2775. Score D backwards (-0.85) and it loses 1.2059: total 2.1275, an
     increase of exactly 0.85 (log sigmoid(x) - log sigmoid(-x) = x)."""
     diff = rewards_chosen - rewards_rejected
@@ -86,11 +92,12 @@ def reward_loss(rewards_chosen, rewards_rejected, margin=None, center_coef=None)
     return loss
 
 
-def lm_regularizer(hidden, targets, vocab_weight, n_tokens):
+def lm_regularizer(target_logprobs, n_tokens):
     """GRM's SFT regularizer (Yang et al. 2024, https://arxiv.org/abs/2406.10216): the chat model's
-    next-token loss on the chosen answers, from the same hidden states the score head reads, summed over
-    the graded positions (targets != IGNORE) and divided by n_tokens, the step's count over every
-    micro-batch and rank (so accumulation and DDP give the one-batch mean).
+    next-token loss on the chosen answers, from the same hidden states the score head reads (the reward
+    model's forward with targets gives their log-probs through the vocabulary head, see attach_vocab_head),
+    summed over the graded positions and divided by n_tokens, the step's count over every micro-batch and
+    rank (so accumulation and DDP give the one-batch mean).
 
     Why: the Bradley-Terry loss is one bit per pair, and alone it lets the trunk drift away from what it
     knew as a language model. Keeping the LM loss keeps those features; here that is the arithmetic
@@ -98,20 +105,20 @@ def lm_regularizer(hidden, targets, vocab_weight, n_tokens):
     lr 3e-3, same SFT start), held-out pair accuracy (wrong-step pairs): 0.870 (0.61) without it;
     0.930 (0.79) with lm_coef 1; 0.917 (0.75) with lm_coef 2, and 0.910 (0.73) against 0.883 (0.65)
     for lm_coef 1 at --seed 1 (other pairs, held-out ones too)."""
-    graded = targets != IGNORE
-    logits = hidden[graded].float() @ vocab_weight.float().T
-    return F.cross_entropy(logits, targets[graded], reduction="sum") / n_tokens
+    return -target_logprobs.sum() / n_tokens
 
 
-def vocab_head(model, init, device="cpu"):
-    """lm_regularizer's vocabulary head: the tied embeddings (trained along), or a frozen copy of the
-    untied lm_head.weight of the chat model at `init` (the reward model has no lm_head of its own)."""
+def attach_vocab_head(model, init):
+    """The regularizer's vocabulary head: the tied embeddings (trained along), or else a frozen copy of the
+    untied lm_head.weight of the chat model at `init` (the reward model has no lm_head of its own),
+    attached as the non-persistent buffer frozen_lm_head that the forward reads."""
     from model import load_lm_head
-    return model.model.embed_tokens.weight if model.config.tie_word_embeddings else load_lm_head(init, device)
+    if not model.config.tie_word_embeddings:
+        model.register_buffer("frozen_lm_head", load_lm_head(init, model.device), persistent=False)
 
 
 # ------------------------------------------------------------------------------------------------
-# Scoring: the value of the scalar head at each sequence's last token
+# The answers a reward is read at
 
 def rm_example(tok, prompt, answer, tools=None):
     """(ids, targets). ids: prompt + answer ending at the answer's last <|im_end|>, the token the reward
@@ -128,42 +135,6 @@ def rm_example(tok, prompt, answer, tools=None):
 def rm_sequence(tok, prompt, answer, tools=None):
     """The ids of rm_example: what score() takes."""
     return rm_example(tok, prompt, answer, tools)[0]
-
-
-def last_token_values(model, seqs, pad_id, layout="right", capacity=None):
-    """Scalar-head value at the last token of each sequence, (N,) float32, in one batch: right, left or
-    packed (common.pack_sequences), all giving the same values. The position read is where each
-    sequence ends by its own length, never a search for the first pad or eos (pad may equal eos: trl#2778)."""
-    ids, docs, _, ends = pack_sequences(seqs, pad_id, layout, capacity)
-    dev = model.device
-    with autocast(dev):
-        values = model(ids.to(dev), doc_ids=None if layout == "right" else docs.to(dev))
-    return values[ends[0].to(dev), ends[1].to(dev)]
-
-
-def load_reward_model(path, device="cpu"):
-    """The reward model (in eval mode) of a model folder or an rm run directory (its latest checkpoint)."""
-    from model import GPT
-    path = resolve_model_path(path)
-    model = GPT.from_hf(path, device=device, dtype=torch.float32)
-    if model.config.head != "scalar":
-        raise ValueError(f"{path} is a language model, not a reward model (config.json is not *ForSequenceClassification); "
-                         f"train one with chat_rm.py")
-    return model.eval()
-
-
-@torch.no_grad()
-def score(model, sequences, batch_size=32, layout="right"):
-    """Rewards of token sequences (prompt + completion, each ending at the completion's <|im_end|>), as
-    floats. A completion cut at the length limit has no <|im_end|> and is read at its last token anyway:
-    penalize those separately. A score does not depend on batch size, padding side or batch mates."""
-    was_training = model.training
-    model.eval()
-    out = []
-    for i in range(0, len(sequences), batch_size):
-        out += last_token_values(model, sequences[i:i + batch_size], 0, layout).tolist()  # pad id 0: never read
-    model.train(was_training)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,9 +169,24 @@ def parse_kinds(spec):
 @torch.no_grad()
 def evaluate_pairs(model, pairs, batch_size=32):
     """Held-out pair accuracy (r_c > r_r; a tie counts as wrong), mean margin, reward statistics and
-    accuracy per kind of pair."""
-    rc = torch.tensor(score(model, [p[0] for p in pairs], batch_size))
-    rr = torch.tensor(score(model, [p[1] for p in pairs], batch_size))
+    accuracy per kind of pair. Under torchrun every rank scores its share of the pairs, in as many passes
+    as the others (an FSDP2 forward is a collective), and the scores are gathered."""
+    info = dist_info()
+    model = unwrap(model)
+    mine = list(range(info.rank, len(pairs), info.world_size))
+    n_passes = int(all_reduce_max(-(-len(mine) // batch_size)))
+    scored = {}
+    for k in range(n_passes):
+        idx = mine[k * batch_size:(k + 1) * batch_size]
+        if not idx:
+            idle_pass(model, backward=False)
+            continue
+        values = score(model, [pairs[i][0] for i in idx] + [pairs[i][1] for i in idx], batch_size=2 * len(idx))
+        scored.update({i: (c, r) for i, c, r in zip(idx, values[:len(idx)], values[len(idx):])})
+    for part in all_gather_objects(scored):
+        scored.update(part)
+    rc = torch.tensor([scored[i][0] for i in range(len(pairs))])
+    rr = torch.tensor([scored[i][1] for i in range(len(pairs))])
     both = torch.cat([rc, rr])
     right = (rc > rr).float()
     m = {"pair_accuracy": right.mean().item(), "margin": (rc - rr).mean().item(), "reward_mean": both.mean().item(),
@@ -211,63 +197,64 @@ def evaluate_pairs(model, pairs, batch_size=32):
     return m
 
 
-if __name__ == "__main__":
-    from model import GPT
+def main():
     from tasks import load_preferences, preference_pairs
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
-    dist = init_dist(args.device)
-    device = dist.device
-    seed_everything(args.seed, dist.rank)
-    print_config(args, "chat_rm")
-    out_dir = run_dir("rm", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
-
-    # data first: a malformed file fails before any model is loaded
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init)
+    # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:
         rows = load_preferences(args.data)
-        n_val = max(1, len(rows) // 50)  # a user file: hold out its last 2%
-        train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+        if args.eval_data:
+            train_rows, val_rows = rows, load_preferences(args.eval_data)
+        else:  # a user file: hold out its last 2%
+            n_val = max(1, len(rows) // 50)
+            train_rows, val_rows = rows[:-n_val], rows[-n_val:]
     else:
         try:
             kinds = parse_kinds(args.kinds)
             train_rows = preference_pairs("train", args.num_train, seed=args.seed, kinds=kinds)
         except ValueError as e:
-            parser.error(str(e))
+            raise UserError(f"--kinds {args.kinds!r}: {e}") from None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
+    dist = init_dist(args.device, args.dist_timeout)
+    device = dist.device
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "chat_rm")
+    out_dir = run_dir("rm", args.run_name)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
+    tok = Tokenizer.load(init)
     train_pairs, dropped = render_pairs(tok, train_rows, args.max_len)
     val_pairs, _ = render_pairs(tok, val_rows, args.max_len)
     if not train_pairs:
-        raise SystemExit(f"no training pair fits in --max-len {args.max_len}")
+        raise UserError(f"no training pair fits in --max-len {args.max_len}")
     n_tokens = sum(len(p[0]) + len(p[1]) for p in train_pairs)
     print0(f"data: {len(train_pairs)} training pairs ({n_tokens:,} tokens), {len(val_pairs)} held-out"
            + (f"; {dropped} dropped for exceeding --max-len {args.max_len}" if dropped else ""))
 
     per_step = args.batch_size
-    if per_step % (args.device_batch_size * dist.world_size):
-        parser.error(f"--batch-size must be a multiple of --device-batch-size x ranks "
-                     f"({args.device_batch_size} x {dist.world_size})")
-    accum = per_step // (args.device_batch_size * dist.world_size)
+    if per_step < dist.world_size:
+        raise UserError(f"--batch-size {per_step} must be at least the number of ranks ({dist.world_size})")
     steps_per_epoch = math.ceil(len(train_pairs) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
 
-    ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32, head="scalar")  # a fresh score head starts at 0: every reward 0
+    ckpt = resume_checkpoint(out_dir) if args.resume else None
+    # a fresh score head starts at 0: every reward 0 at step 0
+    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp)  # float32 master weights
+    model.grad_checkpointing = args.grad_checkpointing
+    if args.lm_coef:
+        attach_vocab_head(model, init)
+    model = wrap_model(model, fsdp=args.fsdp)  # DDP under torchrun, or FSDP2 with --fsdp
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:
-        start_step = load_training_state(ckpt, optimizer)["step"]
+        start_step = load_training_state(ckpt, optimizer, model)["step"]
         print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
-    print0(f"model: {model.num_params():,} parameters from {init}; {total_steps} steps "
-           f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
-    broadcast_parameters(model)
-    vocab_weight = vocab_head(model, init, device) if args.lm_coef else None
-    hidden_states = torch.compile(model.hidden_states) if args.compile else model.hidden_states
+    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps ({steps_per_epoch} per epoch)")
+    fwd = torch.compile(model) if args.compile else model
     model.train()
 
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="rm")
@@ -276,46 +263,60 @@ if __name__ == "__main__":
         set_lr(optimizer, lr)
         step_pairs = [train_pairs[i] for i in epoch_batch(len(train_pairs), step, per_step, args.seed)]
         mine = step_pairs[dist.rank::dist.world_size]
-        n_graded = sum(sum(t != IGNORE for t in p[3]) for p in step_pairs)  # LM tokens, all ranks
-        stats = torch.zeros(5, dtype=torch.float64)  # reward loss, LM loss, correct, margin, reward sum
-        for a in range(accum):
-            micro = mine[a * args.device_batch_size:(a + 1) * args.device_batch_size]
-            n = len(micro)
-            ids, docs, targets, ends = pack_sequences([p[0] for p in micro] + [p[1] for p in micro], tok.pad_id,
-                                                      "packed", args.max_len, [p[3] for p in micro] + [None] * n)
-            with autocast(device):
-                hidden = hidden_states(ids.to(device), doc_ids=docs.to(device))
-                values = model.score(hidden).squeeze(-1).float()[ends[0].to(device), ends[1].to(device)]
-            rc, rr = values[:n], values[n:]
-            # reward_loss is a mean over this micro-batch's pairs; weighting it by n / per_step makes the
-            # sum over micro-batches and ranks the mean over the global batch (see common.py)
-            rm_loss = reward_loss(rc, rr, center_coef=args.center_coef) * (n / per_step)
-            lm_loss = lm_regularizer(hidden, targets.to(device), vocab_weight, n_graded) if args.lm_coef else \
-                torch.zeros((), device=device)
-            loss = rm_loss + args.lm_coef * lm_loss
-            check_finite(loss, step)
-            loss.backward()
-            stats += torch.tensor([rm_loss.item(), lm_loss.item(), (rc > rr).sum().item(), (rc - rr).sum().item(),
-                                   values.sum().item()], dtype=torch.float64)
+        n_graded = sum(sum(t != IGNORE for t in p[3]) for p in step_pairs)  # LM tokens of the step, all ranks
+        totals = {}
+        passes = micro_batches([len(p[0]) + len(p[1]) for p in mine], args.micro_batch_tokens, packed=True)
+        for j, part in enumerate(passes):
+            # DDP sums gradients over ranks only at the last pass of the step (forward and backward)
+            with no_sync(model, last=j == len(passes) - 1):
+                if not part:  # this rank has no pairs left: join the other ranks' collectives, train nothing
+                    idle_pass(fwd)
+                    continue
+                micro = [mine[i] for i in part]
+                n = len(micro)
+                ids, docs, targets, ends = pack_sequences([p[0] for p in micro] + [p[1] for p in micro], tok.pad_id,
+                                                          "packed", args.max_len, [p[3] for p in micro] + [None] * n)
+                with autocast(device):
+                    if args.lm_coef:  # the scores, and the chosen answers' log-probs under the chat head
+                        values, target_logprobs = fwd(ids.to(device), targets.to(device), doc_ids=docs.to(device))
+                    else:
+                        values = fwd(ids.to(device), doc_ids=docs.to(device))
+                values = values[ends[0].to(device), ends[1].to(device)]
+                chosen, rejected = values[:n], values[n:]
+                # reward_loss is a mean over this micro-batch's pairs; weighting it by n / per_step makes the
+                # sum over micro-batches and ranks the mean over the global batch (see common.py)
+                rm_loss = reward_loss(chosen, rejected, center_coef=args.center_coef) * (n / per_step)
+                lm_loss = lm_regularizer(target_logprobs, n_graded) if args.lm_coef else torch.zeros((), device=device)
+                loss = rm_loss + args.lm_coef * lm_loss
+                check_finite(loss, step + 1)
+                loss.backward()
+                for k, v in {"reward_loss": rm_loss.item(), "lm_loss": lm_loss.item(), "correct": (chosen > rejected).sum().item(),
+                             "margin": (chosen - rejected).sum().item(), "reward_sum": values.sum().item()}.items():
+                    totals[k] = totals.get(k, 0.0) + v
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
-        stats = all_reduce_sum(stats.to(device)).cpu()
-        metrics = {"loss": round(stats[0].item() + args.lm_coef * stats[1].item(), 6),
-                   "reward_loss": round(stats[0].item(), 6), "lm_loss": round(stats[1].item(), 6),
-                   "accuracy": stats[2].item() / per_step, "margin": stats[3].item() / per_step,
-                   "reward_mean": stats[4].item() / (2 * per_step), "lr": lr, "grad_norm": round(grad_norm, 4)}
-        if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and dist.is_main:
+        totals = all_reduce_dict(totals, keys=["reward_loss", "lm_loss", "correct", "margin", "reward_sum"])
+        metrics = {"loss": round(totals["reward_loss"] + args.lm_coef * totals["lm_loss"], 6),
+                   "reward_loss": round(totals["reward_loss"], 6), "lm_loss": round(totals["lm_loss"], 6),
+                   "accuracy": totals["correct"] / per_step, "margin": totals["margin"] / per_step,
+                   "reward_mean": totals["reward_sum"] / (2 * per_step), "lr": lr, "grad_norm": round(grad_norm, 4)}
+        if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
             ev = evaluate_pairs(model, val_pairs)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
-            bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
-                      f"margin {ev['margin']:.3f}")
+            if dist.is_main:
+                bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
+                          f"margin {ev['margin']:.3f}")
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
+    ev = evaluate_pairs(model, val_pairs)  # every rank its share
+    print0(f"held-out ({len(val_pairs)} pairs): " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+    log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     if dist.is_main:
-        ev = evaluate_pairs(model, val_pairs)
-        print0(f"held-out ({len(val_pairs)} pairs): " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-        log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
         write_eval(out_dir, ev)
     cleanup_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -24,11 +24,11 @@ import os
 
 import torch
 
-from common import (IGNORE, MetricsLogger, all_reduce_sum, autocast, broadcast_parameters, check_finite,
-                    cleanup_dist, init_dist, latest_checkpoint, load_training_state, lr_at, make_batch,
-                    make_optimizer, pack_bfd, nanopost_home, optimizer_step, print0, print_config, progress,
-                    epoch_batch, resolve_model_path, run_dir, save_checkpoint, seed_everything, set_lr,
-                    write_eval)
+from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist,
+                    epoch_batch, heldout_loss, init_dist, load_model,
+                    load_training_state, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    pack_bfd, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main,
+                    save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
@@ -36,6 +36,7 @@ parser.add_argument("--run-name", default="default", help="run name: output goes
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows (default: the embedded world)")
+parser.add_argument("--eval-data", default=None, help="held-out JSONL rows for the validation loss (default: the last 2%% of --data)")
 parser.add_argument("--num-train", type=int, default=6000, help="embedded-world training conversations")
 parser.add_argument("--num-val", type=int, default=200, help="embedded-world validation conversations")
 parser.add_argument("--packing", choices=["bfd", "none"], default="bfd", help="best-fit-decreasing packing, or one conversation per padded row")
@@ -51,11 +52,14 @@ parser.add_argument("--final-lr-ratio", type=float, default=0.1, help="cosine de
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
-parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems sampled at the end (and at --sample-every)")
+parser.add_argument("--eval-problems", type=int, default=200, help="embedded-world held-out problems sampled at the end (and at --sample-every); 0: none")
 parser.add_argument("--sample-every", type=int, default=0, help="steps between sampling evals (0: only at the end)")
 parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--compile", action="store_true")
 
 
@@ -74,15 +78,17 @@ def sft_example(ids, mask):
     return ids[:-1], targets
 
 
-def sft_loss(per_token_loss, targets, num_trained_global):
-    """Sum of the per-token cross-entropy over trained tokens, divided by the number of trained tokens
-    in the WHOLE global batch (all micro-batches, all ranks). Dividing each micro-batch by its own
-    count instead would weight a token of a short micro-batch more than one of a long one, and make the
-    gradient depend on how the batch was split (open-instruct#1137, verl#5625).
+def sft_loss(token_logprobs, num_trained_global):
+    """The cross-entropy -log p summed over the trained tokens (the model's log-probs are 0 elsewhere),
+    divided by the number of trained tokens in the WHOLE global batch (all micro-batches, all ranks).
+    Dividing each micro-batch by its own count instead would weight a token of a short micro-batch more
+    than one of a long one, and make the gradient depend on how the batch was split (open-instruct#1137,
+    verl#5625).
 
-    Worked numbers (seed, the twelve-token example): five graded tokens with p = 0.40, 0.85, 0.92, 0.78,
-    0.96 give -log(0.40*0.85*0.92*0.78*0.96) = 1.4515, / 5 = 0.2903; grading all twelve gives 0.5710."""
-    return (per_token_loss * (targets != IGNORE)).sum() / num_trained_global
+    Example, a twelve-token conversation: five answer tokens predicted at p = 0.40, 0.85, 0.92, 0.78,
+    0.96 give -log(0.40*0.85*0.92*0.78*0.96) = 1.4515, / 5 = 0.2903; grading all twelve (the seven prompt
+    tokens at a mean penalty of 0.7715 too) gives 0.5710: training on the prompt roughly doubles it."""
+    return -token_logprobs.sum() / num_trained_global
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,45 +120,35 @@ def build_rows(examples, seq_len, packing):
     return [[i] for i in range(len(examples))]
 
 
-@torch.no_grad()
-def validation_loss(model, examples, rows, pad_id, seq_len, packing, device, batch_size=16):
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(rows), batch_size):
-        x, y, d = make_batch(examples, rows[i:i + batch_size], pad_id, seq_len, packing, device)
-        with autocast(device):
-            total += model(x, y, doc_ids=d, reduction="sum").item()
-        count += (y != IGNORE).sum().item()
-    model.train()
-    return total / max(1, count)
-
-
-if __name__ == "__main__":
+def main():
     from chat_eval import evaluate_chat
-    from model import GPT
     from tasks import load_sft, rl_prompts, sft_conversations
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
-    dist = init_dist(args.device)
+    # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
+    dist = init_dist(args.device, args.dist_timeout)
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_sft")
     out_dir = run_dir("sft", args.run_name)
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
-
-    # data first: a malformed file fails before any model is loaded
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"))
     tok = Tokenizer.load(init)
-    train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
-    val_rows = sft_conversations("val", args.num_val, seed=args.seed) if not args.data else \
-        train_rows[-max(1, len(train_rows) // 50):]  # a user file: hold out its last 2%
-    if args.data:
+    if args.eval_data:
+        val_rows = load_sft(args.eval_data)
+    elif args.data:  # a user file: hold out its last 2%
+        val_rows = train_rows[-max(1, len(train_rows) // 50):]
         train_rows = train_rows[:len(train_rows) - len(val_rows)]
+    else:
+        val_rows = sft_conversations("val", args.num_val, seed=args.seed)
+    # greedy pass@1 on held-out problems: the embedded world's (a user's SFT rows have no answer key)
+    eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
     train_ex, counts = render_examples(tok, train_rows, args.seq_len, args.overlong)
     val_ex, _ = render_examples(tok, val_rows, args.seq_len, args.overlong)
     if not train_ex:
-        raise SystemExit(f"no training conversation fits in --seq-len {args.seq_len}: {counts}")
+        raise UserError(f"no training conversation fits in --seq-len {args.seq_len}: {counts}")
     rows = build_rows(train_ex, args.seq_len, args.packing)
     val_batches = build_rows(val_ex, args.seq_len, args.packing)
     n_tokens = sum(len(x) for x, _ in train_ex)
@@ -165,24 +161,25 @@ if __name__ == "__main__":
 
     per_step = args.batch_size
     if per_step % (args.device_batch_size * dist.world_size):
-        parser.error(f"--batch-size must be a multiple of --device-batch-size x ranks "
-                     f"({args.device_batch_size} x {dist.world_size})")
+        raise UserError(f"--batch-size {per_step} must be a multiple of --device-batch-size x ranks "
+                        f"({args.device_batch_size} x {dist.world_size})")
     accum = per_step // (args.device_batch_size * dist.world_size)
     steps_per_epoch = math.ceil(len(rows) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
 
-    ckpt = latest_checkpoint(out_dir) if args.resume else None
-    model = GPT.from_hf(ckpt or init, device=device, dtype=torch.float32)
+    ckpt = resume_checkpoint(out_dir) if args.resume else None
+    # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
+    unwrap(model).grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = 0
     if ckpt:
-        start_step = load_training_state(ckpt, optimizer)["step"]
+        start_step = load_training_state(ckpt, optimizer, model)["step"]
         print0(f"resumed from {ckpt} at step {start_step}")
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)  # a fresh run starts a fresh log
-    print0(f"model: {model.num_params():,} parameters from {init}; {total_steps} steps "
+    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps "
            f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
-    broadcast_parameters(model)
     fwd = torch.compile(model) if args.compile else model
 
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft")
@@ -199,33 +196,38 @@ if __name__ == "__main__":
             print0(f"step {step + 1}: no trained token in the batch, skipped")
             continue
         loss_sum = 0.0
-        for x, y, d in micro:
-            with autocast(device):
-                loss = sft_loss(fwd(x, y, doc_ids=d, reduction="none"), y, n_global)
-            check_finite(loss, step)
-            loss.backward()
+        for a, (x, y, d) in enumerate(micro):
+            with no_sync(model, last=a == accum - 1), autocast(device):
+                loss = sft_loss(fwd(x, y, doc_ids=d), n_global)
+                check_finite(loss, step + 1)
+                loss.backward()
             loss_sum += loss.item()
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
         loss_sum = all_reduce_sum(loss_sum)
         metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4),
                    "trained_tokens": int(n_global)}
         if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
-            metrics["val_loss"] = round(validation_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len,
+            metrics["val_loss"] = round(heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len,
                                                         args.packing, device), 6)
             if dist.is_main:
                 bar.write(f"step {step + 1}: loss {loss_sum:.4f}  val {metrics['val_loss']:.4f}")
-        if args.sample_every and (step + 1) % args.sample_every == 0 and dist.is_main:
-            scores = evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens)
+        if args.sample_every and (step + 1) % args.sample_every == 0 and eval_rows:
+            scores = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens)
             metrics.update({f"eval/{k}": round(v, 4) for k, v in scores.items()})
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{loss_sum:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
-    if dist.is_main and args.eval_problems > 0:
-        scores = evaluate_chat(model, tok, rl_prompts("test", args.eval_problems), max_new_tokens=args.max_new_tokens)
-        scores["val_loss"] = validation_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len, args.packing, device)
-        print0(f"held-out ({args.eval_problems} problems, greedy): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
-        log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
+    # held-out: the validation loss, and (on the embedded world) greedy answers graded, every rank its share
+    scores = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens) if eval_rows else {}
+    scores["val_loss"] = heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len, args.packing, device)
+    print0("held-out: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
+    if dist.is_main:
         write_eval(out_dir, scores)
     cleanup_dist()
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,11 +1,16 @@
 """
-Shared machinery for every stage: distributed setup from torchrun's environment, rank-0 printing,
-seeding, device and dtype, run directories, JSONL metrics, and atomic checkpoints with resume.
+Shared machinery for every stage: distributed setup from torchrun's environment, DDP and FSDP2 wrapping,
+rank-0 printing, seeding, device and dtype, run directories, JSONL metrics, packing and token-budget
+micro-batches, and atomic checkpoints with resume.
 
-DDP here is an equivalence, not a different program: each rank computes the SUM of its token losses
-divided by the GLOBAL token count (all micro-batches, all ranks), and `sync_gradients` all-reduces
-gradients with SUM. N ranks with batch B/N then produce exactly the gradient of one rank with batch B.
+Distributed training is an equivalence, not a different program: each rank computes the SUM of its token
+losses divided by the GLOBAL token count (all micro-batches, all ranks), and the wrappers SUM gradients
+across ranks (wrap_model). N ranks with batch B/N then produce exactly the gradient of one rank with
+batch B, with torch's DistributedDataParallel or with FSDP2 (--fsdp).
 """
+import contextlib
+import datetime
+import errno
 import json
 import os
 import random
@@ -61,9 +66,11 @@ class DistInfo:
 _DIST = DistInfo()
 
 
-def init_dist(device: str = "auto") -> DistInfo:
+def init_dist(device: str = "auto", timeout_minutes: float = 30) -> DistInfo:
     """Read torchrun's RANK / WORLD_SIZE (a single process when absent): gloo on CPU, nccl on CUDA.
-    On CPU each rank gets cores / local ranks threads: oversubscribed ranks run several times slower."""
+    On CPU each rank gets cores / local ranks threads: oversubscribed ranks run several times slower.
+    timeout_minutes (--dist-timeout): how long a rank may wait inside a collective before the process
+    group gives up (NCCL's watchdog default is 10 minutes; a slow checkpoint can take longer)."""
     global _DIST
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,7 +86,8 @@ def init_dist(device: str = "auto") -> DistInfo:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+            dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                    timeout=datetime.timedelta(minutes=timeout_minutes))
     _DIST = DistInfo(rank, local_rank, world, dev)
     return _DIST
 
@@ -105,6 +113,41 @@ def all_reduce_sum(x):
     return t.item()
 
 
+def all_reduce_dict(values: dict, keys=None) -> dict:
+    """Sum named numbers across ranks in one collective. keys: the names, in the same order on every rank
+    (default: sorted names; a name a rank does not have counts 0 there)."""
+    keys = list(keys) if keys is not None else sorted(values)
+    t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64, device=_DIST.device)
+    return dict(zip(keys, all_reduce_sum(t).tolist()))
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable object, in rank order (a list of one without torchrun)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_max(x):
+    """The maximum of a Python number across ranks."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor(float(x), dtype=torch.float64, device=_DIST.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def global_mean_var(x, mask=None):
+    """Mean and (population) variance of x (over the mask's 1s) across the WHOLE batch, all ranks."""
+    mask = torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    n = max(1.0, all_reduce_sum(float(mask.sum())))
+    mean = all_reduce_sum(float((x * mask).sum())) / n
+    var = all_reduce_sum(float((((x - mean) * mask) ** 2).sum())) / n
+    return mean, var
+
+
 def broadcast_parameters(model):
     """Every rank starts from rank 0's weights (per-rank seeds would otherwise initialize them apart)."""
     if dist.is_initialized():
@@ -112,18 +155,101 @@ def broadcast_parameters(model):
             dist.broadcast(p.data, src=0)
 
 
-def sync_gradients(model):
-    """All-reduce (SUM) every gradient in one flat buffer. Losses are already divided by the global
-    normalizer, so the sum is the full-batch gradient."""
-    if not dist.is_initialized():
-        return
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+# ------------------------------------------------------------------------------------------------
+# Distributed training: torch's DistributedDataParallel, or FSDP2 (--fsdp)
+
+def _sum_allreduce_hook(state, bucket):
+    """DDP averages gradients by default; the losses here are already divided by the global normalizer,
+    so the buckets are summed instead."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def shard_model(model):
+    """FSDP2 in place (torch.distributed.fsdp.fully_shard): each decoder block, then the root, so that
+    parameters, gradients and AdamW state are split across ranks and a block's weights are gathered only
+    for its own forward and backward. On CUDA the forward computes in bf16 from float32 master shards and
+    gradients are reduced in float32. Gradients are SUMMED (the loss is already divided by the global
+    normalizer): set_gradient_divide_factor(1.0) on every FSDP module (the call is not recursive) and, on
+    gloo, set_force_sum_reduction_for_comms(True). Returns the model (its class becomes FSDP<class>)."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    if isinstance(model, FSDPModule):
+        return model
+    dev = _DIST.device
+    low = compute_dtype(dev)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else \
+        MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if dev.type == "cpu":
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def wrap_model(model, fsdp=False):
+    """The module that training calls (so that the wrapper's hooks see every forward). One process: the
+    model itself. N ranks: FSDP2 (shard_model) with fsdp=True, else DistributedDataParallel, each rank a
+    full replica, gradients summed in buckets overlapped with the backward pass (_sum_allreduce_hook)."""
+    if _DIST.world_size == 1:
+        return model
+    if fsdp:
+        return shard_model(model)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model, device_ids=[_DIST.device.index] if _DIST.device.type == "cuda" else None,
+              forward_sync_buffers=False, gradient_as_bucket_view=True)  # rank 0's weights broadcast here
+    ddp.register_comm_hook(None, _sum_allreduce_hook)
+    return ddp
+
+
+def load_model(path, dtype=torch.float32, head=None, fsdp=False):
+    """A model folder loaded for this rank, on its device: whole, or with fsdp=True under torchrun built
+    sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor."""
+    from model import GPT
+    shard = shard_model if fsdp and _DIST.world_size > 1 else None
+    return GPT.from_hf(path, dtype=dtype, device=_DIST.device, head=head, shard=shard)
+
+
+def unwrap(model):
+    """The GPT inside a DDP wrapper (an FSDP2 model is its own module, with sharded parameters)."""
+    return getattr(model, "module", model)
+
+
+def reshard(model) -> bool:
+    """Put an FSDP2 model's parameters back in their sharded form (the root keeps its own gathered after a
+    forward with no backward, e.g. an evaluation; the optimizer and checkpoints know the shards); returns
+    whether the model is sharded at all."""
+    from torch.distributed.fsdp import FSDPModule
+    modules = [m for m in unwrap(model).modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.reshard()
+    return bool(modules)
+
+
+def is_sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(unwrap(model), FSDPModule)
+
+
+def no_sync(model, last: bool):
+    """Gradient accumulation: DDP skips its all-reduce on every micro-batch but the last of an optimizer
+    step. FSDP2 reduce-scatters every micro-batch: holding unsharded float32 gradients across micro-
+    batches would cost their full size (32 GB at 8B parameters)."""
+    if not last and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def idle_pass(model, backward=True):
+    """A forward (and backward) of one token that trains nothing, for a rank that has no data left in a
+    pass the other ranks run: under DDP every rank must join each gradient all-reduce, under FSDP2 every
+    forward and backward gathers and scatters weights with all ranks."""
+    x = torch.zeros(1, 1, dtype=torch.long, device=_DIST.device)
+    out = model(x)
+    if backward:
+        (out.float().sum() * 0.0).backward()
 
 
 def cleanup_dist():
@@ -239,10 +365,11 @@ def peak_memory_mb(device):
 
 
 def check_finite(loss, step):
-    """A NaN/inf loss is caught, never trained on."""
+    """A NaN/inf loss is caught before its backward, never trained on: the run stops with one line naming
+    the step, and the last checkpoint, written before it, is intact."""
     if not torch.isfinite(loss).all():
-        raise FloatingPointError(f"step {step}: loss is {loss.item()}; not training on it. Lower the learning "
-                                 f"rate or check the data (the last checkpoint is intact; --resume restarts there)")
+        raise UserError(f"step {step}: the loss is {loss.item()}; not training on it. Lower the learning rate or "
+                        f"check the data; the last checkpoint is intact and --resume restarts from it")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,34 +379,70 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2):
-    """Write run_path/checkpoints/step_XXXXXX/ : config.json, model.safetensors, tokenizer files
-    (what transformers reads), plus optimizer.pt, trainer_state.json and rng_rank{r}.pt (what --resume
-    reads). Everything goes to a .tmp folder that is renamed into place only when complete, so a
-    process killed mid-save leaves the previous checkpoint intact. The `keep` newest are kept."""
+    """Write run_path/checkpoints/step_XXXXXX/ : a Hugging Face folder (config.json, the safetensors
+    weights, tokenizer files: what transformers reads), plus nanopost's training state: the optimizer
+    (optimizer.pt, or under FSDP2 the sharded optimizer/ folder of torch.distributed.checkpoint, which a
+    run on another number of ranks can load), trainer_state.json and rng_rank{r}.pt. Everything goes to
+    a .tmp folder renamed into place only when complete, so a process killed mid-save leaves the previous
+    checkpoint intact; a full disk is a UserError naming the folder. The `keep` newest are kept. Every
+    rank calls it."""
     root = os.path.join(run_path, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
-    if _DIST.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_hf(tmp, tokenizer)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, **(state or {})}, f, indent=2)
-    barrier()
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
-    barrier()
-    if _DIST.is_main:
-        for name in os.listdir(tmp):  # make the bytes durable before the rename publishes them
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in list_checkpoints(run_path)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    gpt, sharded = unwrap(model), reshard(model)
+    try:
+        if _DIST.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier()
+        if sharded or _DIST.is_main:  # sharded weights are gathered tensor by tensor, with every rank
+            gpt.save_hf(tmp, tokenizer)
+        if optimizer is not None and sharded:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+            dcp.save({"optimizer": get_optimizer_state_dict(gpt, optimizer)},
+                     checkpoint_id=os.path.join(tmp, "optimizer"))
+        if _DIST.is_main:
+            if optimizer is not None and not sharded:
+                _save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, "world_size": _DIST.world_size, **(state or {})}, f, indent=2)
+        barrier()
+        _save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
+        barrier()
+        if _DIST.is_main:
+            for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename publishes them
+                for name in names:
+                    with open(os.path.join(folder, name), "rb") as f:
+                        os.fsync(f.fileno())
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            for old in list_checkpoints(run_path)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:
+        if _disk_full(e):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"no room to write the checkpoint {final} ({e}); the previous checkpoint is intact: "
+                            f"free disk space, then continue with --resume") from None
+        raise
     barrier()
     return final
+
+
+def _disk_full(e) -> bool:
+    """Whether a failed checkpoint write means a full disk (or quota, or file-size limit): an OSError, or the
+    same error as torch.save wraps it (its __context__) or as safetensors reports it (in its message)."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    if any(isinstance(err, OSError) and err.errno in codes for err in (e, e.__context__)):
+        return True
+    return any(f"(os error {code})" in str(e) for code in codes)
+
+
+def _save(obj, path):
+    """torch.save through a Python file, so that a full disk surfaces as an OSError."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def list_checkpoints(run_path) -> list[str]:
@@ -301,8 +464,17 @@ def resolve_model_path(path: str) -> str:
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"{path}: neither a model folder (config.json) nor a run directory with "
-                                f"checkpoints; run the previous stage first or pass --init PATH")
+        raise UserError(f"{path}: neither a model folder (config.json) nor a run directory with checkpoints; "
+                        f"run the previous stage first or pass --init PATH")
+    return ckpt
+
+
+def resume_checkpoint(run_path: str) -> str:
+    """The checkpoint --resume continues from: the run's latest complete one (a folder still being
+    written, step_*.tmp, is never picked up)."""
+    ckpt = latest_checkpoint(run_path)
+    if ckpt is None:
+        raise UserError(f"--resume: no checkpoint in {run_path}; start the run without --resume")
     return ckpt
 
 
@@ -313,23 +485,39 @@ def rng_state():
     return s
 
 
-def load_training_state(ckpt, optimizer=None) -> dict:
-    """Restore optimizer and this rank's RNG from a checkpoint; returns trainer_state.json.
-    Call it AFTER any seeding, so the restored RNG is the one that continues."""
-    if optimizer is not None:
+def load_training_state(ckpt, optimizer=None, model=None) -> dict:
+    """Restore the optimizer and this rank's RNG from a checkpoint; returns trainer_state.json.
+    Call it AFTER any seeding, so the restored RNG is the one that continues. A sharded (FSDP2) model's
+    optimizer comes from the checkpoint's optimizer/ folder, resharded to however many ranks run now. On
+    another number of ranks the per-rank RNG streams cannot be restored: the run continues from the
+    saved weights and optimizer with fresh per-rank seeds (its losses will differ from the original's)."""
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        state = json.load(f)
+    sharded = model is not None and reshard(model)
+    if optimizer is not None and os.path.isdir(os.path.join(ckpt, "optimizer")):  # saved sharded: any layout now
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        if model is None:
+            raise ValueError("load_training_state needs the model to restore a sharded optimizer")
+        osd = get_optimizer_state_dict(unwrap(model), optimizer)
+        dcp.load({"optimizer": osd}, checkpoint_id=os.path.join(ckpt, "optimizer"))
+        set_optimizer_state_dict(unwrap(model), optimizer, osd)
+    elif optimizer is not None:
+        if sharded:
+            raise UserError(f"{ckpt} was saved without --fsdp (optimizer.pt); resume it without --fsdp")
         optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu",
                                              weights_only=False))
-    rng_file = os.path.join(ckpt, f"rng_rank{_DIST.rank}.pt")
-    if not os.path.isfile(rng_file):
-        raise FileNotFoundError(f"{rng_file} missing: resume with the same number of ranks as the saved run")
-    s = torch.load(rng_file, weights_only=False)
+    if state.get("world_size", _DIST.world_size) != _DIST.world_size:
+        print0(f"note: {ckpt} was saved by {state['world_size']} rank(s), this run has {_DIST.world_size}: "
+               f"weights and optimizer resume, the random streams start afresh")
+        return state
+    s = torch.load(os.path.join(ckpt, f"rng_rank{_DIST.rank}.pt"), weights_only=False)
     random.setstate(s["python"])
     np.random.set_state(s["numpy"])
     torch.set_rng_state(s["torch"])
     if "cuda" in s and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
-    with open(os.path.join(ckpt, "trainer_state.json")) as f:
-        return json.load(f)
+    return state
 
 
 # ------------------------------------------------------------------------------------------------
@@ -414,6 +602,57 @@ def make_batch(examples, rows, pad_id, seq_len, packing, device):
     return x, y, (d if packing == "bfd" else None)
 
 
+def micro_batches(lengths, max_tokens: int, packed=False) -> list[list[int]]:
+    """Sequences grouped into forward passes of at most max_tokens tokens each, so that long sequences
+    cannot blow up a fixed row count. Padded (packed=False): a pass is as long as its longest sequence, so
+    it costs count x longest; sequences are sorted by length first (little padding). Packed: a pass costs
+    the sum of its lengths; the order is kept. A sequence longer than max_tokens is a pass of its own.
+    Every rank must run as many passes as the others (a collective per pass under DDP/FSDP): the count is
+    agreed over ranks with an all-reduce, and a rank with fewer pads its list with empty passes ([]).
+    Example: lengths [5, 30, 8, 31], max_tokens 64 -> [[0, 2], [1, 3]] (2 x 8 and 2 x 31 tokens);
+    packed -> [[0, 1, 2], [3]] (43 and 31 tokens)."""
+    order = range(len(lengths)) if packed else sorted(range(len(lengths)), key=lambda i: int(lengths[i]))
+    passes, current, cost = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        new_cost = cost + n if packed else (len(current) + 1) * n
+        if current and new_cost > max_tokens:
+            passes.append(current)
+            current, new_cost = [], n
+        current.append(i)
+        cost = new_cost
+    if current:
+        passes.append(current)
+    n = int(all_reduce_max(len(passes)))
+    return passes + [[] for _ in range(n - len(passes))]
+
+
+
+@torch.no_grad()
+def heldout_loss(model, examples, rows, pad_id, seq_len, packing, device, batch_size=16):
+    """Mean next-token loss over the trained tokens of held-out rows (make_batch's rows of examples).
+    Each rank computes its share
+    (rows[rank::world]) in as many passes as the others (an FSDP2 forward is a collective), then the sums
+    are added up."""
+    info = _DIST
+    mine = rows[info.rank::info.world_size]
+    n_passes = int(all_reduce_max(-(-len(mine) // batch_size)))
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, n_passes * batch_size, batch_size):
+        if i >= len(mine):
+            idle_pass(model, backward=False)
+            continue
+        x, y, d = make_batch(examples, mine[i:i + batch_size], pad_id, seq_len, packing, device)
+        with autocast(device):
+            total -= model(x, y, doc_ids=d).sum().item()
+        count += (y != IGNORE).sum().item()
+    model.train()
+    sums = all_reduce_dict({"total": total, "count": count}, keys=["total", "count"])
+    return sums["total"] / max(1, sums["count"])
+
+
+
 # ------------------------------------------------------------------------------------------------
 # Optimization
 
@@ -431,12 +670,14 @@ def epoch_batch(num_rows, step, batch_size, seed):
 
 
 def make_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.95)):
-    """AdamW; weight decay on matrices only (not on norms' gains)."""
+    """AdamW; weight decay on matrices only (not on norms' gains). Fused (one kernel for every tensor) on
+    CUDA; the plain loop on CPU."""
+    reshard(model)  # an FSDP2 root left gathered by an evaluation would hand over its gathered parameters
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=False)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=_DIST.device.type == "cuda")
 
 
 def lr_at(step, total_steps, base_lr, warmup_steps=0, final_ratio=0.1):
@@ -460,11 +701,14 @@ def progress(iterable, **kwargs):
 
 
 def optimizer_step(model, optimizer, grad_clip):
-    """Sum gradients over ranks, clip, step, zero. Returns the gradient norm before clipping."""
-    sync_gradients(model)
+    """Clip, step, zero (DDP and FSDP2 have already summed the gradients over ranks in backward).
+    Returns the gradient norm before clipping (over all ranks' shards under FSDP2)."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
+        norm = norm.full_tensor()
     if not torch.isfinite(norm):
-        raise FloatingPointError(f"gradient norm is {norm.item()}; not stepping on it. Lower the learning rate")
+        raise UserError(f"the gradient norm is {norm.item()}; not stepping on it. Lower the learning rate; the last "
+                        f"checkpoint is intact and --resume restarts from it")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return norm.item()

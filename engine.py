@@ -17,6 +17,7 @@ that <|im_end|> and the next assistant turn's text (tokenizer.render_tool_respon
 step with mask 0 and log-prob 0, then keeps sampling. The completion is therefore the very token
 sequence the trainer will score: nothing is decoded to text and re-tokenized.
 """
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -82,6 +83,11 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.tools = tools or {}
+
+    @contextlib.contextmanager
+    def prepared(self):
+        """Generate calls inside share one preparation of the weights (today each reads the model directly)."""
+        yield self
 
     @torch.inference_mode()  # as no_grad, and no autograd bookkeeping per op (~10% of a small decode step)
     def generate(self, prompts, num_samples=1, max_new_tokens=256, temperature=1.0, top_k=None, top_p=None,

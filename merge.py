@@ -280,12 +280,7 @@ def main():
     ap.add_argument("--dtype", choices=("input", "float32"), default="input",
                     help="write each tensor in the first folder's dtype (default) or in float32")
     args = ap.parse_args()
-    folders = []
-    for folder in args.folders:
-        try:
-            folders.append(resolve_model_path(folder))
-        except FileNotFoundError as e:
-            raise UserError(str(e)) from None
+    folders = [resolve_model_path(folder) for folder in args.folders]
     weights = parse_weights(args.weights, len(folders))
     if abs(sum(weights) - 1) > 1e-6:
         print(f"note: the weights sum to {sum(weights):g}, not 1: the result is not an average")

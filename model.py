@@ -5,13 +5,14 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
     token ids -> embed_tokens -> n_layer x [RMSNorm -> grouped-query attention (QK-norm, RoPE) -> +residual
                                            RMSNorm -> SwiGLU MLP -> +residual] -> RMSNorm -> lm_head | score
 
-- `forward` gives logits, or the per-token cross-entropy when `targets` is given (ignore index -100).
+- `forward` gives logits (inference), values (scalar head), or, with `targets`, per-token log-probs.
 - `doc_ids` (B, T) marks documents packed into one row: positions restart at each document and attention
   never crosses one. The same mechanism isolates the left padding of a batch of prompts in the engine.
 - `kv_cache` (a `KVCache`) makes decoding one token per step cost O(T) instead of O(T^2); `decode_step`
   is the same step as one flat function over fused weights, for the engine's inner loop.
-- `token_logprobs` gives per-token log-probs in float32 chunk by chunk, so a (B, T, V) float32 tensor
-  is never alive for the whole sequence (the chunks' logits are recomputed in backward).
+- `forward(idx, targets)` gives per-token log-probs (and entropies) in float32, chunk by chunk over the
+  graded positions only (`vocab_logprobs`), so no (B, T, V) tensor is ever built in training; the SFT
+  loss is its negation. `grad_checkpointing = True` recomputes each block's activations in backward.
 - `GPTConfig.head = "scalar"` swaps the vocabulary head for a one-number head (`score`), as reward
   models and critics need; everything below the head is the same code.
 - Checkpoints are Hugging Face folders: `save_hf` / `from_hf` (config.json in Qwen3 or Llama form,
@@ -26,6 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from common import UserError
 
 
 @dataclass
@@ -92,7 +95,7 @@ def rope_inv_freq(config: GPTConfig) -> torch.Tensor:
         medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
         inv_freq = torch.where(medium, smoothed, scaled)
     elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
-        raise ValueError(f"unsupported rope_scaling {rs}; supported: none, llama3")
+        raise UserError(f"unsupported rope_scaling {rs}; supported: none, llama3")
     return inv_freq
 
 
@@ -237,6 +240,45 @@ def logprobs_from_logits(logits, targets, temperature=1.0, top_k=None, top_p=Non
     return lp.masked_fill(targets < 0, 0.0)
 
 
+def vocab_logprobs(hidden, weight, targets, *, temperature=1.0, top_k=None, top_p=None, with_entropy=False,
+                   chunk_elements=2**26):
+    """log p(targets) in float32 (B, T), 0 where targets < 0, from final hidden states (B, T, C) and a
+    vocabulary head weight (V, C), without ever building the (B, T, V) logits: only the graded positions
+    (targets >= 0) are computed, in chunks of about chunk_elements logits (441 tokens at a vocabulary of
+    151,936: 256 MB in float32); under autograd each chunk's logits are recomputed in backward, so only
+    the (N, C) hidden states are kept. The head runs in float32 (weight and hidden states cast up): the
+    engine samples from float32 logits of the same head, and the output head is where bf16
+    engine/trainer mismatch comes from (MiniMax-M1; prime-rl#2438).
+    with_entropy=True also returns each graded position's entropy -sum p log p under the distribution
+    sampled from (temperature, top-k/top-p applied): a truncated token (logit -inf, p = 0) contributes
+    0, not 0 * -inf = NaN."""
+    graded = targets >= 0
+    h, t = hidden[graded], targets[graded]                  # (N, C), (N,)
+    step = max(1, chunk_elements // weight.size(0))
+
+    def chunk_fn(h_chunk, t_chunk):
+        with torch.autocast(h_chunk.device.type, enabled=False):
+            logits = process_logits(F.linear(h_chunk.float(), weight.float()), temperature, top_k, top_p)
+            lse = torch.logsumexp(logits, dim=-1)
+            lp = logits.gather(-1, t_chunk[:, None]).squeeze(-1) - lse
+            if not with_entropy:
+                return lp, None
+            p = torch.exp(logits - lse[:, None])
+            return lp, lse - (p * torch.where(torch.isfinite(logits), logits, 0.0)).sum(-1)
+
+    lps, ents = [], []
+    for s in range(0, h.size(0), step):
+        args = (h[s:s + step], t[s:s + step])
+        lp, ent = checkpoint(chunk_fn, *args, use_reentrant=False) if torch.is_grad_enabled() else chunk_fn(*args)
+        lps.append(lp)
+        ents.append(ent)
+    zeros = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+    out = zeros.masked_scatter(graded, torch.cat(lps)) if lps else zeros
+    if not with_entropy:
+        return out
+    return out, (zeros.masked_scatter(graded, torch.cat(ents)) if ents else zeros)
+
+
 # ------------------------------------------------------------------------------------------------
 # The model
 
@@ -251,6 +293,7 @@ class GPT(nn.Module):
                 self.lm_head.weight = self.model.embed_tokens.weight
         else:
             self.score = nn.Linear(config.n_embd, 1, bias=False)
+        self.grad_checkpointing = False  # activation checkpointing per decoder block (--grad-checkpointing)
         self._init_rope()
         if not any(p.is_meta for p in self.parameters()):
             self.apply(self._init_weights)
@@ -263,9 +306,9 @@ class GPT(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def _init_rope(self):
-        inv_freq = rope_inv_freq(self.config)
-        t = torch.arange(self.config.max_seq_len, dtype=torch.float32)
+    def _init_rope(self, device=None):
+        inv_freq = rope_inv_freq(self.config).to(device)
+        t = torch.arange(self.config.max_seq_len, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
@@ -317,31 +360,54 @@ class GPT(nn.Module):
         if not fits and int(pos.max()) >= self.config.max_seq_len:
             raise ValueError(f"position {int(pos.max())} exceeds max_seq_len={self.config.max_seq_len}; "
                              f"crop the sequence or raise max_seq_len")
-        dtype = self.model.embed_tokens.weight.dtype
+        # rotate in the dtype q and k have: the compute dtype under autocast (no float32 promotion)
+        dtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else \
+            self.model.embed_tokens.weight.dtype
         cos = self.rope_cos[pos].unsqueeze(1).to(dtype)
         sin = self.rope_signed_sin[pos].unsqueeze(1).to(dtype)
         x = self.model.embed_tokens(idx)
+        recompute = self.grad_checkpointing and kv_cache is None and torch.is_grad_enabled()
         for i, block in enumerate(self.model.layers):
-            x = block(x, cos, sin, mask, kv_cache, i)
+            if recompute:  # keep only each block's input; its activations are recomputed in backward
+                x = checkpoint(block, x, cos, sin, mask, None, i, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, kv_cache, i)
         if kv_cache is not None:
             kv_cache.length += T
         return self.model.norm(x)
 
     # -- the heads ---------------------------------------------------------------------------
 
-    def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, ignore_index=-100, reduction="mean"):
-        """Logits (B, T, V); or, with targets, the cross-entropy: reduction "mean" over non-ignored
-        tokens, "sum", or "none" for (B, T) per-token losses (0 at ignored positions).
-        With head="scalar": values (B, T), float32."""
+    def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, *, temperature=1.0, top_k=None, top_p=None,
+                with_entropy=False):
+        """What each head gives, from the hidden states of idx (B, T):
+          head="scalar"        values (B, T), float32 (reward models, critics); with targets also their
+                               log-probs through the vocabulary head (the RM's LM regularizer)
+          no targets           logits (B, T, V): for inference and tests only; at a vocabulary of 151,936
+                               they are 0.6 GB per 1,000 tokens in float32, so training never asks for them
+          targets (B, T)       log p(targets[t] | idx[:t+1]) in float32, (B, T), 0 where targets < 0: the
+                               training forward of every stage (the SFT loss is its negation), computed by
+                               vocab_logprobs; with_entropy=True also returns each graded position's entropy
+        Training code calls the model (forward) rather than a method, so that a DDP or FSDP wrapper sees
+        the call: DDP's gradient all-reduce is armed by its forward, and nothing else."""
         h = self.hidden_states(idx, doc_ids, kv_cache)
         if self.config.head == "scalar":
-            return self.score(h).squeeze(-1).float()
-        logits = self.lm_head(h)
+            values = self.score(h).squeeze(-1).float()
+            if targets is None:
+                return values
+            # a reward model with GRM's LM regularizer (chat_rm.py): the chat model's log-probs of the
+            # targets, from the same hidden states, through the tied embeddings or a frozen copy of the
+            # chat model's untied head (the buffer frozen_lm_head, attached by chat_rm.py)
+            head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.frozen_lm_head
+            return values, vocab_logprobs(h, head, targets)
         if targets is None:
-            return logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index,
-                               reduction=reduction)
-        return loss.view_as(targets) if reduction == "none" else loss
+            return self.lm_head(h)
+        return self.head_logprobs(h, targets, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   with_entropy=with_entropy)
+
+    def head_logprobs(self, hidden, targets, **kwargs):
+        """vocab_logprobs through this model's LM head (see there)."""
+        return vocab_logprobs(hidden, self.lm_head.weight, targets, **kwargs)
 
     # -- one decode step, fast ----------------------------------------------------------------
 
@@ -402,38 +468,51 @@ class GPT(nn.Module):
         kv_cache.next_pos = pos + 1
         return self.lm_head(rms_norm(x, self.model.norm.weight, eps))
 
-    def token_logprobs(self, idx, targets, doc_ids=None, temperature=1.0, top_k=None, top_p=None, chunk=128):
-        """log p(targets[t] | idx[:t+1]) in float32, (B, T); 0 where targets < 0.
-        Computed `chunk` positions at a time; under autograd each chunk's logits are recomputed in
-        backward, so only hidden states are kept, never a (B, T, V) float32 tensor."""
-        assert self.config.head == "lm", "token_logprobs needs the language-model head"
-        h = self.hidden_states(idx, doc_ids)
-
-        def chunk_logprobs(h_chunk, t_chunk):
-            return logprobs_from_logits(self.lm_head(h_chunk), t_chunk, temperature, top_k, top_p)
-
-        out = []
-        for s in range(0, idx.size(1), chunk):
-            hs, ts = h[:, s:s + chunk], targets[:, s:s + chunk]
-            if torch.is_grad_enabled():
-                out.append(checkpoint(chunk_logprobs, hs, ts, use_reentrant=False))
-            else:
-                out.append(chunk_logprobs(hs, ts))
-        return torch.cat(out, dim=1)
-
     # -- Hugging Face folders ----------------------------------------------------------------
 
-    def save_hf(self, path, tokenizer=None, dtype=None):
-        """Write a folder that transformers loads: config.json, model.safetensors,
-        generation_config.json, and the tokenizer files. Not atomic by itself (see common.py)."""
+    def save_hf(self, path, tokenizer=None, dtype=None, max_shard_bytes=5 * 2**30):
+        """Write a folder that transformers loads: config.json, the weights (model.safetensors, or files
+        of at most max_shard_bytes with model.safetensors.index.json, as transformers shards them),
+        generation_config.json and the tokenizer files. Not atomic by itself (see common.py).
+        Under FSDP2 every rank must call it: each tensor is gathered on its own (full_tensor) and rank 0
+        writes, so no rank ever holds more than one file's worth of full tensors."""
+        import torch.distributed as dist
         from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
-        sd = self.state_dict()
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        state = self.state_dict()
         if self.config.head == "lm" and self.config.tie_word_embeddings:
-            sd.pop("lm_head.weight")  # tied: transformers re-ties it from embed_tokens
-        sd = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in sd.items()}
-        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        hf = config_to_hf(self.config, dtype or next(self.parameters()).dtype, tokenizer)
+            state.pop("lm_head.weight")  # tied: transformers re-ties it from embed_tokens
+        out_dtype = dtype or next(self.parameters()).dtype
+        files, current, size = [], [], 0  # consecutive tensors, a file at most max_shard_bytes
+        for key, value in state.items():
+            nbytes = value.numel() * (dtype or value.dtype).itemsize
+            if current and size + nbytes > max_shard_bytes:
+                files.append(current)
+                current, size = [], 0
+            current.append(key)
+            size += nbytes
+        files.append(current)
+        names = ["model.safetensors"] if len(files) == 1 else \
+            [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+        if writer:
+            os.makedirs(path, exist_ok=True)
+        for name, keys in zip(names, files):
+            tensors = {}
+            for key in keys:
+                value = state[key].detach()
+                value = value.full_tensor() if hasattr(value, "full_tensor") else value  # a DTensor shard
+                if writer:
+                    tensors[key] = value.to(dtype or value.dtype).cpu().contiguous()
+            if writer:
+                save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+        if not writer:
+            return
+        if len(files) > 1:
+            total = sum(state[k].numel() * (dtype or state[k].dtype).itemsize for k in state)
+            index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, ks in zip(names, files) for k in ks}}
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=2)
+        hf = config_to_hf(self.config, out_dtype, tokenizer)
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(hf, f, indent=2)
         if self.config.head == "lm":
@@ -446,15 +525,18 @@ class GPT(nn.Module):
             tokenizer.save(path)
 
     @classmethod
-    def from_hf(cls, path, dtype=None, device="cpu", head=None):
+    def from_hf(cls, path, dtype=None, device="cpu", head=None, shard=None):
         """Load a Hugging Face folder (ours or a downloaded Qwen3 / Llama) tensor by tensor, without
         holding two copies of the weights. head="scalar" on an LM checkpoint starts a reward model or
-        critic from it (the vocabulary head is dropped, the score head freshly initialized)."""
+        critic from it (the vocabulary head is dropped, the score head freshly initialized at 0).
+        shard: a function that shards a model in place (common.shard_model, FSDP2). The model is then
+        built on the meta device, sharded, allocated, and each rank copies only its own slice of each
+        tensor from the memory-mapped files: no rank ever holds the whole model."""
         from safetensors import safe_open
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
-            raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face model folder "
-                                    f"(config.json + model.safetensors)")
+            raise UserError(f"{path}: no config.json; expected a Hugging Face model folder "
+                            f"(config.json + model.safetensors)")
         with open(cfg_path) as f:
             config = config_from_hf(json.load(f), path)
         if head is not None:
@@ -462,30 +544,51 @@ class GPT(nn.Module):
         files = _safetensors_files(path)
         with torch.device("meta"):
             model = cls(config)
-        expected = set(model.state_dict().keys())
+        if shard is not None:  # every parameter is a fresh object after these: build the optimizer later
+            if dtype is not None:
+                model.to(dtype)
+            shard(model)
+            model.to_empty(device=device)
+        params = dict(model.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
+        expected = set(params) if shard is not None else set(model.state_dict().keys())
         loaded = set()
         for file in files:
-            with safe_open(file, framework="pt", device=str(device)) as f:
+            with safe_open(file, framework="pt", device="cpu" if shard is not None else str(device)) as f:
                 for key in f.keys():
                     if key not in expected:
                         if key in ("lm_head.weight", "score.weight"):
                             continue  # the other head (e.g. an RM started from an LM checkpoint)
-                        raise ValueError(f"{file}: unexpected tensor {key!r} for {config.arch}")
+                        raise UserError(f"{file}: unexpected tensor {key!r} for {config.arch}")
                     t = f.get_tensor(key)
-                    _set_tensor(model, key, t.to(dtype) if dtype is not None else t)
+                    if shard is not None:
+                        _copy_shard(params[key], t)
+                    else:
+                        _set_tensor(model, key, t.to(dtype) if dtype is not None else t)
                     loaded.add(key)
         if config.head == "lm" and config.tie_word_embeddings:
-            model.lm_head.weight = model.model.embed_tokens.weight
+            if shard is None:
+                model.lm_head.weight = model.model.embed_tokens.weight
             loaded.add("lm_head.weight")
         missing = expected - loaded
-        if config.head == "scalar" and missing == {"score.weight"}:  # fresh score head
-            ref = model.model.embed_tokens.weight
-            _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=ref.dtype, device=ref.device))
+        if config.head == "scalar" and missing == {"score.weight"}:  # fresh score head: every reward 0
+            if shard is not None:
+                with torch.no_grad():
+                    params["score.weight"].zero_()
+            else:
+                ref = model.model.embed_tokens.weight
+                _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=ref.dtype, device=ref.device))
             missing = set()
         if missing:
-            raise ValueError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
-        model._init_rope()
-        return model.to(device)
+            raise UserError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
+        model._init_rope(device)
+        return model if shard is not None else model.to(device)  # (.to would replace FSDP's sharded parameters)
+
+
+def _copy_shard(param, full):
+    """Copy this rank's slice of a full tensor into a sharded (DTensor) parameter, without communication."""
+    from torch.distributed.tensor import distribute_tensor
+    with torch.no_grad():
+        param.copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None))
 
 
 def load_lm_head(path, device="cpu"):
@@ -521,13 +624,13 @@ def _safetensors_files(path):
             shards = sorted(set(json.load(f)["weight_map"].values()))
         missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
         if missing:
-            raise FileNotFoundError(f"{index} names shards that are not in the folder: {missing}")
+            raise UserError(f"{index} names shards that are not in the folder: {missing}")
         return [os.path.join(path, s) for s in shards]
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
         other = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.isfile(os.path.join(path, f))]
         hint = f"; found {other[0]}: re-save it with save_pretrained(safe_serialization=True)" if other else ""
-        raise FileNotFoundError(f"{path}: no model.safetensors (or model.safetensors.index.json){hint}")
+        raise UserError(f"{path}: no model.safetensors (or model.safetensors.index.json){hint}")
     return [single]
 
 
@@ -577,13 +680,13 @@ def config_to_hf(c: GPTConfig, dtype, tokenizer=None) -> dict:
 def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
     arch = hf.get("model_type")
     if arch not in ("qwen3", "llama"):
-        raise ValueError(f"{where}: model_type {arch!r} is not supported (supported: qwen3, llama)")
+        raise UserError(f"{where}: model_type {arch!r} is not supported (supported: qwen3, llama)")
     archs = hf.get("architectures") or []
     head = "scalar" if any(a.endswith("ForSequenceClassification") for a in archs) else "lm"
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{where}: biases in attention/MLP are not supported")
+        raise UserError(f"{where}: biases in attention/MLP are not supported")
     if hf.get("use_sliding_window"):
-        raise ValueError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
+        raise UserError(f"{where}: sliding-window attention (use_sliding_window) is not supported")
     rope = hf.get("rope_parameters") or {}
     rope_theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
     rope_scaling = hf.get("rope_scaling")

@@ -36,7 +36,7 @@ from itertools import islice
 from typing import Callable, Iterator
 
 from common import UserError
-from rewards import VERIFIERS
+from rewards import VERIFIERS, check_ground_truth
 
 # -----------------------------------------------------------------------------
 # The world
@@ -536,6 +536,10 @@ def kto_rows(row: dict) -> list[dict]:
     return [{"prompt": _messages(row["prompt"], "prompt", "user"), "completion": completion, "label": row["label"]}]
 
 
+# data sets of programs with tests ("code" also covers codecontests, code_contests, livecodebench, deepcoder)
+_CODE_SOURCES = ("code", "apps", "taco", "mbpp", "humaneval", "primeintellect")
+
+
 def _verifier_for(data_source: object) -> str:
     """verl names the reward function by the data set: map the usual names onto our verifiers."""
     source = str(data_source).lower()
@@ -543,6 +547,8 @@ def _verifier_for(data_source: object) -> str:
         return source
     if "gsm8k" in source:
         return "gsm8k"
+    if any(name in source for name in _CODE_SOURCES):
+        return "code"
     if "math" in source:
         return "boxed"
     raise ValueError(f"unknown data_source {data_source!r}; add a 'verifier' key, one of {list(VERIFIERS)}")
@@ -568,13 +574,15 @@ def _rl_row(row: dict) -> dict:
         truth = reward_model["ground_truth"]
     else:
         raise ValueError("missing key 'ground_truth' (or verl's 'reward_model': {'ground_truth': ...})")
-    if isinstance(truth, (list, dict)):
-        truth = json.dumps(truth)  # the json verifier's required keys
+    if verifier == "code" and isinstance(truth, list) and all(isinstance(t, str) for t in truth):
+        truth = "\n".join(truth)  # a list of asserts (open-instruct's code rows)
+    elif isinstance(truth, (list, dict)):
+        truth = json.dumps(truth)  # the json verifier's required keys; a code row's input/output pairs
     elif isinstance(truth, (int, float)) and not isinstance(truth, bool):
         truth = str(truth)
     if not isinstance(truth, str):
         raise ValueError(f"ground_truth must be a string or a number, got {type(truth).__name__}")
-    VERIFIERS[verifier]("", truth)  # raises ValueError if the ground truth cannot be checked against
+    check_ground_truth(verifier, truth)  # ValueError if it cannot be graded against; runs nothing
     return {"prompt": prompt, "ground_truth": truth, "verifier": verifier}
 
 

@@ -36,6 +36,8 @@ from typing import Iterable
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from common import UserError
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 # Qwen2/Qwen3's pre-tokenizer: words, single digits (\p{N}, not \p{N}{1,3}), punctuation runs, newline runs
@@ -290,8 +292,8 @@ class Tokenizer:
         self._tok = tok
         for s in ("<|im_start|>", "<|im_end|>"):  # must be single added tokens, or ChatML cannot be rendered
             if tok.token_to_id(s) is None or self.encode(s) != [tok.token_to_id(s)]:
-                raise ValueError(f"tokenizer has no {s} token: nanopost renders ChatML and needs "
-                                 "<|im_start|> and <|im_end|> as added tokens")
+                raise UserError(f"tokenizer has no {s} token: nanopost renders ChatML and needs <|im_start|> "
+                                "and <|im_end|> as added tokens (add them to tokenizer.json's added_tokens)")
         self.im_start_id = tok.token_to_id("<|im_start|>")
         self.eos_id = tok.token_to_id("<|im_end|>")  # ends every assistant turn: the stop token
         self.endoftext_id = tok.token_to_id("<|endoftext|>")  # ends documents in pretraining; None if absent
@@ -317,7 +319,7 @@ class Tokenizer:
         path = Path(path)
         path = path / "tokenizer.json" if path.is_dir() else path
         if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json at {path}")
+            raise UserError(f"no tokenizer.json at {path}")
         return cls(HFTokenizer.from_file(str(path)))
 
     def save(self, folder: str | Path, model_max_length: int = 32768) -> None:

@@ -134,7 +134,7 @@ def test_padded_and_packed_logp_sums_equal_unpadded_sums(tok):
     examples = [e for c, j, _ in items for e in (c, j)]
     m = tiny_model(tok).eval()
     with torch.no_grad():
-        alone = torch.stack([m.token_logprobs(T([x]), T([y]))[0].sum() for x, y in examples])
+        alone = torch.stack([m(T([x]), T([y]))[0].sum() for x, y in examples])
         for layout in ("right", "left", "packed"):
             sums, counts = completion_logps(m, examples, tok.pad_id, layout, capacity=1024)
             torch.testing.assert_close(sums, alone, rtol=1e-4, atol=1e-3)
@@ -216,9 +216,9 @@ def dpo_run(home, init, *extra, nproc=1):
 
 
 def test_ddp_accumulation_and_live_reference_equal_one_big_batch(tmp_path, tiny_chat):
-    one, ev = dpo_run(tmp_path / "one", tiny_chat, "--device-batch-size", "8", "--rpo-alpha", "0.5")
-    ddp, _ = dpo_run(tmp_path / "ddp", tiny_chat, "--device-batch-size", "2", "--rpo-alpha", "0.5", nproc=2)
-    live, ev_live = dpo_run(tmp_path / "live", tiny_chat, "--device-batch-size", "8", "--rpo-alpha", "0.5", "--ref", "live")
+    one, ev = dpo_run(tmp_path / "one", tiny_chat, "--micro-batch-tokens", "100000", "--rpo-alpha", "0.5")
+    ddp, _ = dpo_run(tmp_path / "ddp", tiny_chat, "--micro-batch-tokens", "300", "--rpo-alpha", "0.5", nproc=2)
+    live, ev_live = dpo_run(tmp_path / "live", tiny_chat, "--micro-batch-tokens", "100000", "--rpo-alpha", "0.5", "--ref", "live")
     assert len(one) == 2 and one[0]["rewards/margins"] == 0  # step 0: the policy is the reference
     for other in (ddp, live):
         for a, b in zip(one, other):
@@ -229,9 +229,24 @@ def test_ddp_accumulation_and_live_reference_equal_one_big_batch(tmp_path, tiny_
     assert ev["ref"] == "precompute" and ev_live["ref"] == "live"
 
 
+def test_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_chat):
+    from safetensors.torch import load_file
+    runs = {}
+    for name, nproc, extra in (("one", 1, ()), ("fsdp", 2, ("--fsdp", "--micro-batch-tokens", "300"))):
+        runs[name] = dpo_run(tmp_path / name, tiny_chat, "--steps", "3", "--save-every", "3", *extra, nproc=nproc)[0]
+    assert len(runs["one"]) == 3
+    for a, b in zip(runs["one"], runs["fsdp"]):
+        for k in ("loss", "grad_norm", "rewards/margins"):
+            assert abs(a[k] - b[k]) < 1e-4, (k, a[k], b[k])
+    weights = [load_file(str(tmp_path / name / "dpo" / "default" / "checkpoints" / "step_000003" / "model.safetensors"))
+               for name in ("one", "fsdp")]
+    for k in weights[0]:
+        torch.testing.assert_close(weights[1][k], weights[0][k], atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("loss", ["orpo", "kto"])
 def test_orpo_and_kto_train(tmp_path, tiny_chat, loss):
-    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", loss, "--device-batch-size", "8")
+    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", loss, "--micro-batch-tokens", "100000")
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert 0 <= ev["pair_accuracy"] <= 1
 
@@ -242,7 +257,7 @@ def test_kto_reads_unpaired_answers(tmp_path, tiny_chat):
                for r in preference_pairs("train", 60) for side in ("chosen", "rejected")]
     data = tmp_path / "kto.jsonl"
     data.write_text("".join(json.dumps(s) + "\n" for s in singles))
-    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", "kto", "--device-batch-size", "8", "--data", str(data))
+    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", "kto", "--micro-batch-tokens", "100000", "--data", str(data))
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     assert 0 <= ev["pair_accuracy"] <= 1  # 2 held-out answers (2% of 120): one good, one bad, same prompt
 

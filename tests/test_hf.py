@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from common import resolve_model_path
+from common import UserError, resolve_model_path
 from engine import Engine
 from model import GPT, GPTConfig
 from tokenizer import SPLIT_PATTERN, Tokenizer, render_text
@@ -242,7 +242,7 @@ def test_tokenizer_without_chatml_is_a_clear_error(tmp_path):
     hf_tok.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"<\|im_start\|>"):
         Tokenizer.load(tmp_path)
-    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+    with pytest.raises(UserError, match="tokenizer.json"):
         Tokenizer.load(tmp_path / "nowhere")
 
 
@@ -284,18 +284,18 @@ def test_unsupported_or_incomplete_folders_are_clear_errors(tmp_path):
         GPT.from_hf(folder("mistral", model_type="mistral", architectures=["MistralForCausalLM"]))
     with pytest.raises(ValueError, match="use_sliding_window"):
         GPT.from_hf(folder("swa", use_sliding_window=True))
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+    with pytest.raises(UserError, match="model.safetensors"):
         GPT.from_hf(folder("noweights"))
     d = folder("binonly")
     (tmp_path / "binonly" / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match="pytorch_model.bin"):
+    with pytest.raises(UserError, match="pytorch_model.bin"):
         GPT.from_hf(d)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     shards = sorted(p for p in os.listdir(tmp_path / "sharded") if p.startswith("model-"))
     os.remove(tmp_path / "sharded" / shards[1])
-    with pytest.raises(FileNotFoundError, match=shards[1]):
+    with pytest.raises(UserError, match=shards[1]):
         GPT.from_hf(str(tmp_path / "sharded"))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(UserError, match="config.json"):
         resolve_model_path(str(tmp_path / "nowhere"))
     bigger = folder("bigger", num_hidden_layers=3)  # config promises a layer the weights lack
     shutil.copy(tmp_path / "ok" / "model.safetensors", bigger)

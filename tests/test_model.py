@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from common import UserError
 from model import GPT, GPTConfig, KVCache, logprobs_from_logits, positions_from_doc_ids, process_logits
 
 torch.set_num_threads(1)
@@ -89,30 +90,38 @@ def test_decode_step_equals_the_cached_forward(qk_norm):
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=0)
 
 
-def test_cross_entropy_ignores_masked_targets_and_reductions_agree():
-    m = tiny()
-    x = torch.randint(0, 97, (2, 12))
-    y = torch.randint(0, 97, (2, 12))
-    y[0, :5] = -100
-    with torch.no_grad():
-        per_tok = m(x, y, reduction="none")
-        assert per_tok.shape == (2, 12) and torch.all(per_tok[0, :5] == 0)
-        torch.testing.assert_close(m(x, y, reduction="sum"), per_tok.sum())
-        torch.testing.assert_close(m(x, y), per_tok.sum() / (y >= 0).sum())
+def reference_logprobs(logits, y, temperature=1.0, top_k=None):
+    """log softmax of the full (B, T, V) logits, written from the definition (not model.process_logits)."""
+    z = logits.float() / temperature
+    if top_k is not None:
+        kth = z.sort(-1, descending=True).values[..., top_k - 1:top_k]
+        z = z.masked_fill(z < kth, float("-inf"))
+    logp = torch.log_softmax(z, -1)
+    lp = logp.gather(-1, y.clamp(min=0)[..., None]).squeeze(-1).masked_fill(y < 0, 0)
+    p = logp.exp()
+    entropy = -(p * logp.nan_to_num(neginf=0.0)).sum(-1).masked_fill(y < 0, 0)
+    return lp, entropy
 
 
-def test_token_logprobs_match_log_softmax_and_gradients():
+@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 5)])
+def test_logprobs_and_entropy_in_chunks_match_the_full_softmax_and_gradients(temperature, top_k):
     m = tiny().train()
     x = torch.randint(0, 97, (2, 30))
     y = torch.randint(0, 97, (2, 30))
-    y[1, 3] = -100
-    lp = m.token_logprobs(x, y, chunk=7)  # uneven chunks on purpose
-    ref = torch.log_softmax(m(x).float(), -1).gather(-1, y.clamp(min=0)[..., None]).squeeze(-1)
-    ref = ref.masked_fill(y < 0, 0)
-    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
-    g1 = torch.autograd.grad(lp.sum(), m.model.layers[0].mlp.up_proj.weight)[0]
-    g2 = torch.autograd.grad(ref.sum(), m.model.layers[0].mlp.up_proj.weight)[0]
-    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+    y[1, 3] = y[0, :4] = -100
+    # chunks of 7 positions: uneven on purpose
+    lp, ent = m.head_logprobs(m.hidden_states(x), y, temperature=temperature, top_k=top_k, with_entropy=True,
+                              chunk_elements=97 * 7)
+    ref_lp, ref_ent = reference_logprobs(m(x), y, temperature, top_k)
+    assert torch.isfinite(ent).all() and torch.all(lp[0, :4] == 0) and torch.all(ent[0, :4] == 0)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(m(x, y, temperature=temperature, top_k=top_k), lp)  # forward = the same path
+    w = m.model.layers[0].mlp.up_proj.weight
+    for ours, ref in ((lp, ref_lp), (ent, ref_ent)):
+        g1 = torch.autograd.grad(ours.sum(), w, retain_graph=True)[0]
+        g2 = torch.autograd.grad(ref.sum(), w, retain_graph=True)[0]
+        torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
 
 
 def test_process_logits_top_k_top_p_support():
@@ -212,8 +221,23 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, head):
 
 
 def test_from_hf_errors_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(UserError, match="config.json"):
         GPT.from_hf(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="gpt2"):
         GPT.from_hf(str(tmp_path))
+
+
+def test_activation_checkpointing_gives_the_same_loss_and_gradients():
+    x, y = torch.randint(0, 97, (2, 20)), torch.randint(0, 97, (2, 20))
+    d = torch.tensor([[0] * 8 + [1] * 12, [0] * 20])  # packed documents too
+    grads = []
+    for recompute in (False, True):
+        m = tiny().train()
+        m.grad_checkpointing = recompute
+        loss = -m(x, y, doc_ids=d).sum()
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=0, rtol=0)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

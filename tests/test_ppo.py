@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from chat_ppo import (adaptive_kl_beta, explained_variance, gae, ppo_losses, token_rewards, value_loss, whiten)
-from chat_rl import rollout_tensors
+from rollout import training_batch
 from engine import Completion
 from model import GPT, GPTConfig
 
@@ -94,14 +94,15 @@ def test_token_rewards_score_at_last_answer_token_and_kl_everywhere():
     assert torch.all(r0 == 0)
 
 
-def test_rewards_follow_rollout_tensors_layout():
-    """Through rollout_tensors: the score lands on the position whose target is the answer's last token."""
+def test_rewards_follow_the_training_batch_layout():
+    """Through training_batch: the score lands on the position whose target is the answer's last token."""
     prompts = [[5, 6, 7], [8, 9]]
     c0 = Completion(0, tokens=[10, 11, 12, 13], logprobs=[-.1, 0, 0, -.4], mask=[1, 0, 0, 1], finish_reason="stop")
     c1 = Completion(1, tokens=[20, 21], logprobs=[-.2, -.3], mask=[1, 1], finish_reason="stop")
-    x, y, m, _, s = rollout_tensors(prompts, [c0, c1], torch.tensor([1.0, 0.5]), 0, "cpu")
-    r, _ = token_rewards(s, torch.zeros_like(m), torch.zeros_like(m), m, 0.1)
-    assert y[0, r[0].nonzero().item()] == 13 and y[1, r[1].nonzero().item()] == 21
+    b = training_batch(prompts, [c0, c1], 0, "cpu")
+    m = b.mask
+    r, _ = token_rewards(torch.tensor([1.0, 0.5]), torch.zeros_like(m), torch.zeros_like(m), m, 0.1)
+    assert b.targets[0, r[0].nonzero().item()] == 13 and b.targets[1, r[1].nonzero().item()] == 21
 
 
 def test_adaptive_kl_controller():
@@ -174,10 +175,11 @@ def synthetic_batch():
 
 def prepare(actor, critic, ref, prompts, comps, scores, beta=0.1):
     """The loop's steps 2-3: snapshot, rewards, GAE, whitening (global over ranks)."""
-    x, y, m, _, s = rollout_tensors(prompts, comps, scores, 0, "cpu")
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    x, y, m = b.inputs, b.targets, b.mask
     with torch.no_grad():
-        old_logp, ref_logp, old_v = actor.token_logprobs(x, y), ref.token_logprobs(x, y), critic(x) * m
-    rewards, _ = token_rewards(s, old_logp, ref_logp, m, beta)
+        old_logp, ref_logp, old_v = actor(x, y), ref(x, y), critic(x) * m
+    rewards, _ = token_rewards(scores, old_logp, ref_logp, m, beta)
     adv, ret = gae(rewards, old_v, m)
     return x, y, m, old_logp, old_v, whiten(adv, m), ret
 
@@ -193,40 +195,44 @@ def test_second_epoch_uses_the_snapshot_ratio():
     opt = torch.optim.SGD(list(actor.parameters()) + list(critic.parameters()), lr=0.5)
     ratios = []
     for epoch in range(2):
-        pg, vl, st = ppo_losses(actor, critic, x, y, m, old_logp, old_v, adv, ret, float(m.sum()))
-        ratios.append(st["ratio_mean"])
+        pg, vl, st = ppo_losses(actor, critic, x, y, m, old_logp=old_logp, old_values=old_v, advantages=adv,
+                                returns=ret, normalizer=float(m.sum()))
+        ratios.append(st["ratio_sum"] / m.sum().item())
         (pg + vl).backward()
         opt.step()
         opt.zero_grad()
     assert ratios[0] == 1.0                                   # the first pass: the policy that sampled
     with torch.no_grad():
-        want = (torch.exp(actor.token_logprobs(x, y) - old_logp) * m).sum() / m.sum()
+        want = (torch.exp(actor(x, y) - old_logp) * m).sum() / m.sum()
     assert ratios[1] != 1.0
     # the snapshot is still the one from before the first update: recompute the second pass's ratio
-    pg, _, st = ppo_losses(actor, critic, x, y, m, old_logp, old_v, adv, ret, float(m.sum()))
-    assert close(st["ratio_mean"], want, 1e-5)
+    pg, _, st = ppo_losses(actor, critic, x, y, m, old_logp=old_logp, old_values=old_v, advantages=adv, returns=ret,
+                           normalizer=float(m.sum()))
+    assert close(st["ratio_sum"] / m.sum().item(), want, 1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
 # DDP: 2 gloo ranks, uneven lengths and an uneven split, give one rank's actor and critic gradients
 
 def grads_of(prompts, comps, scores):
-    from common import all_reduce_sum, sync_gradients
+    from common import all_reduce_sum, init_dist, wrap_model
+    init_dist("cpu")
     actor, critic, ref = tiny(), tiny("scalar", 1), tiny(seed=2)
     x, y, m, old_logp, old_v, adv, ret = prepare(actor, critic, ref, prompts, comps, scores)
     norm = all_reduce_sum(float(m.sum()))
     old_logp = old_logp - 0.05  # a ratio away from 1, so clipping is exercised
     old_v = old_v + 0.3 * m     # and values away from their snapshot
-    pg, vl, _ = ppo_losses(actor, critic, x, y, m, old_logp, old_v, adv, ret, norm, value_clip=0.2)
+    ddp_actor, ddp_critic = wrap_model(actor), wrap_model(critic)  # DistributedDataParallel under 2 ranks
+    pg, vl, _ = ppo_losses(ddp_actor, ddp_critic, x, y, m, old_logp=old_logp, old_values=old_v,
+                           advantages=adv, returns=ret, normalizer=norm, value_clip=0.2, entropy_coef=0.01)
     (pg + vl).backward()
-    sync_gradients(actor)
-    sync_gradients(critic)
     return [torch.cat([p.grad.flatten() for p in net.parameters()]) for net in (actor, critic)]
 
 
 def _rank(rank, world, init_file, out_dir):
     import torch.distributed as dist
     torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     prompts, comps, scores = synthetic_batch()
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4

@@ -11,8 +11,9 @@ import torch
 import torch.multiprocessing as mp
 
 from chat_eval import pass_at_k
-from chat_rl import (group_advantages, kl_penalty, loss_normalizer, overlong_penalty, policy_loss,
-                     rollout_tensors, tis_weights)
+from chat_rl import group_advantages, loss_normalizer, overlong_penalty, policy_loss
+from common import all_reduce_sum, micro_batches
+from rollout import kl_penalty, tis_weights, training_batch
 from engine import Completion
 from model import GPT, GPTConfig
 
@@ -87,7 +88,7 @@ def test_clipped_token_has_no_gradient_in_ppo_but_keeps_it_in_cispo():
     grads = {}
     for kind in ("ppo", "cispo"):
         logp = (OLD + DELTA).clone().requires_grad_(True)
-        loss, _ = policy_loss(logp, OLD, torch.tensor([1.0]), torch.ones(1, 5), kind=kind)
+        loss, _ = policy_loss(logp, OLD, torch.tensor([1.0]), torch.ones(1, 5), loss_type=kind)
         loss.backward()
         grads[kind] = logp.grad[0]
     assert grads["ppo"][2] == 0                                 # t3 is above 1.2: PPO drops it
@@ -197,13 +198,23 @@ def test_rollout_mask_covers_exactly_the_sampled_tokens():
     prompts = [[5, 6, 7], [8, 9]]
     c0 = Completion(0, tokens=[10, 11, 12, 13], logprobs=[-.1, 0.0, 0.0, -.4], mask=[1, 0, 0, 1], finish_reason="stop")
     c1 = Completion(1, tokens=[20, 21], logprobs=[-.2, -.3], mask=[1, 1], finish_reason="length")
-    x, y, m, eng, _ = rollout_tensors(prompts, [c0, c1], torch.zeros(2), pad_id=0, device="cpu")
-    assert x[0].tolist() == [5, 6, 7, 10, 11, 12] and y[0].tolist() == [6, 7, 10, 11, 12, 13]
-    assert m[0].tolist() == [0, 0, 1, 0, 0, 1]            # forced tool tokens (11, 12) are not trained
-    assert y[1].tolist() == [9, 20, 21, -100, -100, -100] and m[1].tolist() == [0, 1, 1, 0, 0, 0]
-    assert eng[0].tolist() == pytest.approx([0, 0, -.1, 0, 0, -.4])
-    _, _, m2, _, _ = rollout_tensors(prompts, [c0, c1], torch.zeros(2), 0, "cpu", mask_truncated=True)
-    assert m2[1].sum() == 0 and m2[0].sum() == 2          # a truncated answer gives no gradient
+    b = training_batch(prompts, [c0, c1], pad_id=0, device="cpu")
+    assert b.inputs[0].tolist() == [5, 6, 7, 10, 11, 12] and b.targets[0].tolist() == [-100, -100, 10, -100, -100, 13]
+    assert b.mask[0].tolist() == [0, 0, 1, 0, 0, 1]            # forced tool tokens (11, 12) are not trained
+    assert b.inputs[1].tolist()[:3] == [8, 9, 20] and b.targets[1].tolist() == [-100, 20, 21, -100, -100, -100]
+    assert b.mask[1].tolist() == [0, 1, 1, 0, 0, 0] and b.lengths.tolist() == [6, 3]
+    assert b.engine_logp[0].tolist() == pytest.approx([0, 0, -.1, 0, 0, -.4])
+    b2 = training_batch(prompts, [c0, c1], 0, "cpu", mask_truncated=True)
+    assert b2.mask[1].sum() == 0 and b2.mask[0].sum() == 2    # a truncated answer gives no gradient
+
+
+def test_micro_batches_fit_the_token_budget():
+    assert micro_batches([5, 30, 8, 31], 64) == [[0, 2], [1, 3]]
+    lengths = [3, 17, 9, 40, 2, 25, 25, 8]
+    passes = micro_batches(lengths, 50)
+    assert sorted(i for p in passes for i in p) == list(range(8))            # every row exactly once
+    assert all(len(p) * max(lengths[i] for i in p) <= 50 for p in passes)    # each pass fits the budget
+    assert micro_batches([70, 3], 50) == [[1], [0]]                          # too long: a pass of its own
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,20 +238,21 @@ def synthetic_batch():
 
 
 def grad_of(model, prompts, comps, adv, agg):
-    x, y, m, eng, a = rollout_tensors(prompts, comps, adv, 0, "cpu")
-    from common import all_reduce_sum
-    norm = all_reduce_sum(loss_normalizer(m, agg))
-    old = model.token_logprobs(x, y).detach() - 0.05
-    loss, _ = policy_loss(model.token_logprobs(x, y), old, a, m, agg=agg, normalizer=norm, max_len=16)
+    from common import all_reduce_sum, init_dist, wrap_model
+    init_dist("cpu")
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    norm = all_reduce_sum(loss_normalizer(b.mask, agg))
+    ddp = wrap_model(model)  # DistributedDataParallel under 2 ranks, summing gradients
+    old = ddp(b.inputs, b.targets).detach() - 0.05
+    loss, _ = policy_loss(ddp(b.inputs, b.targets), old, adv, b.mask, agg=agg, normalizer=norm, max_len=16)
     loss.backward()
-    from common import sync_gradients
-    sync_gradients(model)
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
 def _rank(rank, world, init_file, out_dir, agg):
     import torch.distributed as dist
     torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     prompts, comps, adv = synthetic_batch()
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4
@@ -312,6 +324,67 @@ def test_loop_runs_with_a_reward_model(tmp_path, tiny_chat):
     rm = GPT.from_hf(tiny_chat, head="scalar")
     torch.nn.init.normal_(rm.score.weight)  # a random scorer: rewards differ from answer to answer
     rm.save_hf(str(tmp_path / "rm"))
-    rows = rl_run(tmp_path, tiny_chat, "--reward", f"rm:{tmp_path / 'rm'}")
+    rm_name = f"rm:{tmp_path / 'rm'}"
+    rows = rl_run(tmp_path, tiny_chat, "--reward", f"verifier+0.1*format+0.5*{rm_name}")
     steps = [r for r in rows if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["flat_group_frac"] < 1 for r in steps)
+    for r in steps:  # each component logged on its own, the reward their weighted sum
+        parts = r["reward/verifier"] + 0.1 * r["reward/format"] + 0.5 * r[f"reward/{rm_name}"]
+        assert abs(r["reward"] - parts) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------------
+# FSDP2: chat_rl's update on 2 gloo ranks (an uneven split: 2 answers and 4, so uneven numbers of forward
+# passes, as dynamic sampling leaves them) equals one process holding the whole batch, for 3 steps
+
+def fsdp_update_run(rank, world, out_dir):
+    import chat_rl
+    from common import init_dist, make_optimizer, wrap_model
+    init_dist("cpu")
+    prompts, comps, adv = synthetic_batch()
+    mine = list(range(len(comps))) if world == 1 else [i for i in range(len(comps)) if (i < 2) == (rank == 0)]
+    model = wrap_model(tiny_policy(), fsdp=True)
+    optimizer = make_optimizer(model, 1e-2)
+    args = chat_rl.parser.parse_args(["--ppo-epochs", "2", "--minibatches", "1", "--micro-batch-tokens", "16",
+                                      "--entropy-coef", "0.01", "--max-new-tokens", "16"])
+    b = training_batch([prompts[comps[i].prompt_index] for i in mine], [comps[i] for i in mine], 0, "cpu")
+    stats = []
+    for step in range(3):
+        with torch.no_grad():
+            old = model(b.inputs, b.targets) - 0.05  # a ratio away from 1, so the clip is exercised
+        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv[mine], ref_logp=None,
+                                       tis=None, step=step, args=args)
+        stats.append((all_reduce_sum(totals["loss"]), totals["grad_norm"]))
+    from common import save_checkpoint
+    save_checkpoint(str(out_dir), 3, model)
+    return stats
+
+
+def _fsdp_rank(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    stats = fsdp_update_run(rank, world, out_dir)
+    torch.save(stats, os.path.join(out_dir, f"stats{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
+    from safetensors.torch import load_file
+    single = fsdp_update_run(0, 1, tmp_path / "one")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, 2, str(tmp_path / "init"), str(tmp_path / "two"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=180)
+        assert p.exitcode == 0
+    two = torch.load(tmp_path / "two" / "stats0.pt")
+    for (loss1, norm1), (loss2, norm2) in zip(single, two):  # the gradient norm: AdamW would hide a scale
+        assert abs(loss1 - loss2) < 1e-5 and abs(norm1 - norm2) < 1e-5 * max(1.0, norm1), (single, two)
+    ckpt = "checkpoints/step_000003/model.safetensors"
+    want, got = load_file(str(tmp_path / "one" / ckpt)), load_file(str(tmp_path / "two" / ckpt))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from chat_rm import (last_token_values, lm_regularizer, load_reward_model, parse_kinds, render_pairs, reward_loss,
-                     rm_sequence, score, vocab_head)
+from chat_rm import attach_vocab_head, lm_regularizer, parse_kinds, render_pairs, reward_loss, rm_sequence
+from rewards import last_token_values, load_reward_model, score
 from common import IGNORE, pack_sequences
 from model import GPT, GPTConfig
 from tasks import PREFERENCE_KINDS, preference_pairs
@@ -108,15 +109,19 @@ def test_lm_regularizer_is_the_chat_models_loss_on_the_chosen_answers(tok, tmp_p
                            intermediate_size=64, max_seq_len=1024, tie_word_embeddings=tie))
         lm.save_hf(str(tmp_path / str(tie)), tok)
         rm = GPT.from_hf(str(tmp_path / str(tie)), head="scalar")
-        vocab = vocab_head(rm, str(tmp_path / str(tie)))
-        assert (vocab is rm.model.embed_tokens.weight) == tie  # tied: trained along; untied: a copy
-        torch.testing.assert_close(vocab, lm.lm_head.weight)
+        attach_vocab_head(rm, str(tmp_path / str(tie)))
+        assert hasattr(rm, "frozen_lm_head") != tie  # tied: the embeddings, trained along; untied: a frozen copy
+        if not tie:
+            torch.testing.assert_close(rm.frozen_lm_head, lm.lm_head.weight)
         seqs = [p[0] for p in pairs] + [p[1] for p in pairs]  # rejected answers ride along, ungraded
         ids, docs, targets, _ = pack_sequences(seqs, tok.pad_id, "packed", 1024, [p[3] for p in pairs] + [None] * 6)
         n = int((targets != IGNORE).sum())
         with torch.no_grad():
-            got = lm_regularizer(rm.hidden_states(ids, doc_ids=docs), targets, vocab, n)
-            want = sum(lm(torch.tensor([c]), targets=torch.tensor([t]), reduction="sum") for c, _, _, t in pairs) / n
+            _, target_logprobs = rm(ids, targets, doc_ids=docs)
+            got = lm_regularizer(target_logprobs, n)
+            # the chat model's own summed next-token loss, from its full logits
+            want = sum(F.cross_entropy(lm(torch.tensor([c]))[0], torch.tensor(t), ignore_index=IGNORE, reduction="sum")
+                       for c, _, _, t in pairs) / n
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -156,8 +161,8 @@ def rm_run(home, init, *extra, nproc=1):
 
 
 def test_ddp_and_accumulation_equal_one_big_batch_and_the_rm_loads(tmp_path, tiny_chat):
-    one = rm_run(tmp_path / "one", tiny_chat, "--device-batch-size", "8", "--lm-coef", "0.5")
-    ddp = rm_run(tmp_path / "ddp", tiny_chat, "--device-batch-size", "2", "--lm-coef", "0.5", nproc=2)  # 2 x 2
+    one = rm_run(tmp_path / "one", tiny_chat, "--micro-batch-tokens", "100000", "--lm-coef", "0.5")
+    ddp = rm_run(tmp_path / "ddp", tiny_chat, "--micro-batch-tokens", "250", "--lm-coef", "0.5", nproc=2)  # micro-batches of ~1 pair
     assert len(one) == len(ddp) == 3 and abs(one[0]["reward_loss"] - math.log(2)) < 1e-5  # zero head: scores 0
     assert one[0]["lm_loss"] > 0 and abs(one[0]["loss"] - one[0]["reward_loss"] - 0.5 * one[0]["lm_loss"]) < 1e-5
     for a, b in zip(one, ddp):  # the LM regularizer's token mean included

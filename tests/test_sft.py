@@ -17,16 +17,16 @@ torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_seed_twelve_token_example():
-    # five graded answer tokens with the seed's probabilities, seven prompt tokens whose mean
-    # penalty is the seed's 0.7715
+def test_twelve_token_example():
+    # five graded answer tokens at p = 0.40, 0.85, 0.92, 0.78, 0.96; seven prompt tokens whose mean
+    # penalty is 0.7715. The model's log-probs are 0 where the target is not graded.
     graded = torch.tensor([0.40, 0.85, 0.92, 0.78, 0.96])
-    per_token = torch.cat([torch.full((7,), 0.7715), -torch.log(graded)])
-    targets = torch.tensor([IGNORE] * 7 + [1] * 5)
-    assert abs(sft_loss(per_token, targets, 5).item() - 0.2903) < 5e-5
-    assert abs(-math.log(0.40 * 0.85 * 0.92 * 0.78 * 0.96) - 1.4515) < 5e-5
-    everything = torch.ones(12, dtype=torch.long)
-    assert abs(sft_loss(per_token, everything, 12).item() - 0.5710) < 5e-5
+    prompt_penalty = torch.full((7,), 0.7715)
+    answer_only = torch.cat([torch.zeros(7), torch.log(graded)])
+    assert abs(sft_loss(answer_only, 5).item() - 0.2903) < 5e-5
+    assert abs(sft_loss(answer_only, 5).item() - (-math.log(0.40 * 0.85 * 0.92 * 0.78 * 0.96) / 5)) < 1e-6
+    everything = torch.cat([-prompt_penalty, torch.log(graded)])
+    assert abs(sft_loss(everything, 12).item() - 0.5710) < 5e-5
 
 
 def test_all_zero_mask_raises():
@@ -58,7 +58,7 @@ def test_prompt_gets_exactly_zero_gradient(tok):
     logits = m(torch.tensor([x]))
     logits.retain_grad()
     per_tok = F.cross_entropy(logits[0], torch.tensor(y), ignore_index=IGNORE, reduction="none")
-    sft_loss(per_tok, torch.tensor(y), sum(t != IGNORE for t in y)).backward()
+    sft_loss(-per_tok, sum(t != IGNORE for t in y)).backward()
     ignored = torch.tensor(y) == IGNORE
     assert ignored.any() and (~ignored).any()
     assert torch.all(logits.grad[0, ignored] == 0)
@@ -90,8 +90,9 @@ def test_packing_keeps_labels_positions_and_isolation(tok):
     # the packed loss equals the sum of per-conversation losses (verl#6475)
     m = tiny_model(tok).eval()
     with torch.no_grad():
-        packed_sum = m(x, y, doc_ids=d, reduction="sum")
-        alone = sum(m(torch.tensor([ex[0]]), torch.tensor([ex[1]]), reduction="sum") for ex in examples)
+        packed_sum = -m(x, y, doc_ids=d).sum()
+        alone = sum(F.cross_entropy(m(torch.tensor([ex[0]]))[0], torch.tensor(ex[1]), ignore_index=IGNORE,
+                                    reduction="sum") for ex in examples)
     torch.testing.assert_close(packed_sum, alone, rtol=1e-4, atol=1e-3)
 
 
@@ -121,7 +122,7 @@ def test_padded_and_packed_batches_give_the_same_gradient(tok):
         batch_rows = build_rows(examples, 512, packing)
         x, y, d = make_batch(examples, batch_rows, tok.pad_id, 512, packing, "cpu")
         n = (y != IGNORE).sum()
-        sft_loss(m(x, y, doc_ids=d, reduction="none"), y, n).backward()
+        sft_loss(m(x, y, doc_ids=d), n).backward()
         grads.append(m.model.layers[1].mlp.down_proj.weight.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-3, atol=1e-6)
 
@@ -149,12 +150,25 @@ def sft_run(home, base, *extra, nproc=1):
         return [json.loads(line) for line in f if '"loss"' in line]
 
 
-def test_accumulation_and_ddp_equal_one_big_batch(tmp_path, tiny_base):
+def final_weights(home):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(home, "sft", "default", "checkpoints", "step_000003", "model.safetensors"))
+
+
+def test_accumulation_ddp_and_fsdp_equal_one_big_batch(tmp_path, tiny_base):
     one = sft_run(tmp_path / "one", tiny_base, "--device-batch-size", "8")
     accum = sft_run(tmp_path / "accum", tiny_base, "--device-batch-size", "2")
     ddp = sft_run(tmp_path / "ddp", tiny_base, "--device-batch-size", "2", nproc=2)
+    fsdp = sft_run(tmp_path / "fsdp", tiny_base, "--device-batch-size", "2", "--fsdp", nproc=2)
     assert len(one) == 3
-    for other in (accum, ddp):
+    for other in (accum, ddp, fsdp):
         for a, b in zip(one, other):
             assert a["trained_tokens"] == b["trained_tokens"]
+            # the gradient norm too: AdamW would hide a gradient scaled by the number of ranks
             assert abs(a["loss"] - b["loss"]) < 1e-4 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-3
+    want = final_weights(tmp_path / "one")
+    for name in ("ddp", "fsdp"):
+        got = final_weights(tmp_path / name)  # the FSDP2 folder is gathered tensor by tensor from the shards
+        assert set(got) == set(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)

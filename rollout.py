@@ -1,0 +1,167 @@
+"""
+Rollouts: sample answers on the training device, grade them, and lay them out for training.
+
+Every stage that learns from its own samples (chat_rl.py, chat_ppo.py) does the same three things, and
+they live here once:
+
+    rollouts = sample(engine, rows, grader, samples_per_prompt=8, ...)   # generate and grade
+    batch = training_batch(rollouts.prompts, rollouts.completions, pad_id, device)   # tensors to train on
+    for idx in micro_batches(batch.lengths[mb], max_tokens): ...          # forward passes that fit
+
+`sample` returns every answer with the prompt it answers, its data row and its grade, answer by answer:
+nothing is rewritten afterwards, and a subset is a plain selection (`Rollouts.select`). The sampler and
+the trainer disagree a little (kernels, precision, batch composition), and off-policy answers were sampled
+by older weights: `tis_weights` corrects for that; `kl_penalty` measures how far the policy moved from a
+reference on the tokens it sampled.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from common import IGNORE, autocast, idle_pass, micro_batches
+
+
+@dataclass
+class Rollouts:
+    """Answers in prompt-major groups of `group_size` (answers i*G .. i*G+G-1 share a prompt)."""
+    rows: list[dict]                 # per answer: the data row it answers
+    prompts: list[list[int]]         # per answer: the prompt's token ids (shared lists, not copies)
+    completions: list                # per answer: the engine's Completion (tokens, logprobs, mask, ...)
+    rewards: torch.Tensor            # (N,) float32: the grade, the weighted sum of the --reward graders
+    reward_parts: dict = field(default_factory=dict)  # grader name -> (N,) its own score
+    errors: list = field(default_factory=list)        # verifier errors (each scored 0)
+    group_size: int = 1
+    counts: dict = field(default_factory=dict)        # the graders' counts (code outcomes, missing verdicts)
+
+    def __len__(self):
+        return len(self.completions)
+
+    def select(self, answers) -> "Rollouts":
+        """The rollouts of these answer indices (whole groups, to keep groups intact)."""
+        answers = list(answers)
+        return Rollouts([self.rows[i] for i in answers], [self.prompts[i] for i in answers],
+                        [self.completions[i] for i in answers], self.rewards[answers],
+                        {k: v[answers] for k, v in self.reward_parts.items()}, self.errors, self.group_size,
+                        self.counts)
+
+    @staticmethod
+    def concat(parts: list["Rollouts"]) -> "Rollouts":
+        first = parts[0]
+        return Rollouts([r for p in parts for r in p.rows], [x for p in parts for x in p.prompts],
+                        [c for p in parts for c in p.completions], torch.cat([p.rewards for p in parts]),
+                        {k: torch.cat([p.reward_parts[k] for p in parts]) for k in first.reward_parts},
+                        [e for p in parts for e in p.errors], first.group_size,
+                        {k: sum(p.counts.get(k, 0) for p in parts) for k in {k for p in parts for k in p.counts}})
+
+    def stats(self) -> dict:
+        """Sums over this rank's answers (divide by the global answer count after an all-reduce)."""
+        lengths = [len(c.tokens) for c in self.completions]
+        return {"answers": float(len(lengths)), "length_sum": float(sum(lengths)),
+                "truncated": float(sum(c.finish_reason == "length" for c in self.completions)),
+                "tool_answers": float(sum(c.tool_calls > 0 for c in self.completions)),
+                "tool_calls": float(sum(c.tool_calls for c in self.completions)),
+                "correct": float((self.rewards >= 1.0).sum()), "reward_sum": float(self.rewards.sum()),
+                **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()},
+                **{f"count/{k}": float(v) for k, v in self.counts.items()}}
+
+
+def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperature=1.0, top_k=None,
+           top_p=None, seed=0, tool_schemas=None, max_tool_turns=4) -> Rollouts:
+    """Render each row's prompt, sample `samples_per_prompt` answers to each with the engine (tool calls
+    run mid-rollout when the engine has tools; their results are forced tokens with mask 0), and grade
+    every answer with `grader` (rewards.Grader) in one batched call."""
+    tok = engine.tokenizer
+    prompt_ids = [tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas) for r in rows]
+    completions = engine.generate(prompt_ids, num_samples=samples_per_prompt, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                  max_tool_turns=max_tool_turns)
+    answer_rows = [r for r in rows for _ in range(samples_per_prompt)]
+    answer_prompts = [p for p in prompt_ids for _ in range(samples_per_prompt)]
+    grades = grader(answer_rows, answer_prompts, completions)
+    return Rollouts(answer_rows, answer_prompts, completions, grades.total, grades.parts, grades.errors,
+                    samples_per_prompt, grades.counts)
+
+
+@dataclass
+class TrainingBatch:
+    inputs: torch.Tensor       # (B, T) prompt + answer, right-padded
+    targets: torch.Tensor      # (B, T) the next token where the model sampled it, IGNORE elsewhere
+    mask: torch.Tensor         # (B, T) float: 1 on the answer tokens the model sampled (the loss mask)
+    engine_logp: torch.Tensor  # (B, T) the engine's log-prob of each sampled token, 0 elsewhere
+    lengths: torch.Tensor      # (B,) tokens of each row (prompt + answer - 1)
+
+
+def training_batch(prompts, completions, pad_id, device, mask_truncated=False) -> TrainingBatch:
+    """Right-padded tensors of prompt + answer, one row per answer. The loss mask is 1 exactly on the
+    answer tokens the model sampled: never the prompt, never a forced tool-result token, never padding;
+    targets are IGNORE wherever the mask is 0, so the trainer computes log-probs only where they count.
+    mask_truncated: an answer cut at the length limit gives no gradient (DAPO's overlong filtering).
+    Example: prompt [5, 6, 7], answer [10, 11, 12, 13] with 11, 12 a forced tool result
+        inputs  5  6  7 10 11 12          targets  -  - 10  -  - 13          mask 0 0 1 0 0 1"""
+    seqs = [p + c.tokens for p, c in zip(prompts, completions)]
+    B, T = len(seqs), max(len(s) for s in seqs) - 1
+    x = torch.full((B, T), pad_id, dtype=torch.long)
+    y = torch.full((B, T), IGNORE, dtype=torch.long)
+    m = torch.zeros(B, T)
+    eng = torch.zeros(B, T)
+    for b, (s, p, c) in enumerate(zip(seqs, prompts, completions)):
+        n, start = len(s) - 1, len(p) - 1  # inputs[start] is the last prompt token: it predicts the answer
+        x[b, :n] = torch.tensor(s[:-1])
+        if not (mask_truncated and c.finish_reason == "length"):
+            m[b, start:n] = torch.tensor(c.mask, dtype=torch.float)
+        y[b, :n] = torch.tensor(s[1:]).masked_fill(m[b, :n] == 0, IGNORE)
+        eng[b, start:n] = torch.tensor(c.logprobs) * m[b, start:n]
+    lengths = torch.tensor([len(s) - 1 for s in seqs])
+    return TrainingBatch(x.to(device), y.to(device), m.to(device), eng.to(device), lengths)
+
+
+def tis_weights(trainer_logp, engine_logp, cap):
+    """Truncated importance sampling: the engine sampled with its own numerics (kernels, precision,
+    top-k/top-p truncation) or older weights, so weight each token by min(p_trainer / p_engine, cap),
+    detached. Example: per-token log-probs engine / trainer (-0.50 / -0.52), (-1.20 / -1.15),
+    (-0.05 / -0.08), (-3.50 / -2.60), (-0.90 / -1.10) give ratios 0.9802, 1.0513, 0.9704, 2.4596, 0.8187
+    (product 2.0138); capped at 2.0 the fourth is 2.0 and the product 1.6375."""
+    return torch.exp(trainer_logp - engine_logp).clamp(max=cap).detach()
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token estimators of KL(policy || reference) from tokens sampled by the policy
+    (Schulman, "Approximating KL divergence", 2020). With log r = ref_logp - logp:
+        k1 = -log r                   unbiased value; its gradient is zero in expectation
+        k2 = (log r)^2 / 2            biased value; its gradient is exactly the KL gradient
+        k3 = (r - 1) - log r          unbiased, low-variance value; its gradient is that of the
+                                      REVERSE KL(reference || policy) (trl#4637)
+    So a loss uses k2 (tested against the analytic gradient); k3 is the number to log.
+    Example: log p now - log p at the start = +0.20, +0.10, +0.80 over three tokens: k1 = 0.20, 0.10,
+    0.80, mean +0.3667."""
+    log_r = ref_logp - logp
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r ** 2
+    if kind == "k3":
+        return torch.exp(log_r) - 1 - log_r
+    raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+@torch.no_grad()
+def batch_logprobs(model, batch: TrainingBatch, max_tokens, *, temperature=1.0, top_k=None, top_p=None,
+                   with_entropy=False):
+    """Log-probs (B, T) of every sampled token under `model`, in forward passes of at most max_tokens
+    tokens, without gradient: the snapshot of the policy that sampled (the "old" policy of the importance
+    ratio) or of a frozen reference. with_entropy also returns each token's entropy (B, T)."""
+    logp = torch.zeros_like(batch.mask)
+    entropy = torch.zeros_like(batch.mask)
+    for idx in micro_batches(batch.lengths, max_tokens):
+        if not idx:  # this rank has no rows left: join the other ranks' passes (an FSDP2 forward is a collective)
+            idle_pass(model, backward=False)
+            continue
+        idx_t, cols = torch.tensor(idx, device=batch.mask.device), int(batch.lengths[idx].max())
+        with autocast(batch.inputs.device):
+            out = model(batch.inputs[idx_t, :cols], batch.targets[idx_t, :cols], temperature=temperature,
+                        top_k=top_k, top_p=top_p, with_entropy=with_entropy)
+        lp, ent = out if with_entropy else (out, None)
+        logp[idx_t, :cols] = lp
+        if with_entropy:
+            entropy[idx_t, :cols] = ent
+    return (logp, entropy) if with_entropy else logp

@@ -1,0 +1,179 @@
+"""The judge: strict verdict parsing, one batched engine call for N answers, the counts of answers scored 0
+for want of a verdict, the rubric files, and a frozen judge loaded in the compute dtype."""
+import os
+
+import pytest
+import torch
+
+import common
+import rewards
+from common import UserError
+from model import GPT, GPTConfig
+from rewards import Rubric, judge_messages, judge_scores, load_judge, load_rubric, parse_verdict
+
+torch.set_num_threads(1)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEN = Rubric("Scale: 0-10\nGrade the answer's correctness.", "0-10")
+PASS_FAIL = Rubric("Scale: pass/fail\nPass a correct answer.", "pass/fail")
+
+
+def tiny_config(tok, max_seq_len=2048):
+    return GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                     intermediate_size=64, max_seq_len=max_seq_len)
+
+
+class ScriptedJudge(GPT):
+    """A judge whose reply to each answer is scripted. At prefill each row's script is chosen by the answer
+    its prompt holds, and the script's index is kept in the row's (otherwise unused) KV cache, which the
+    engine subsets as rows finish. `prefills` records the batch size of every generate call."""
+
+    def __init__(self, tok, replies: dict, max_seq_len=2048):
+        super().__init__(tiny_config(tok, max_seq_len))
+        self.tok, self.answers = tok, list(replies)
+        self.scripts = [tok.encode(replies[a]) + [tok.eos_id] for a in self.answers]
+        self.lm_head = torch.nn.Identity()  # hidden_states below already are the logits
+        self.prefills, self.prompts = [], []
+
+    def hidden_states(self, idx, doc_ids=None, kv_cache=None):
+        B, T = idx.shape
+        if kv_cache.length == 0:
+            self.prefills.append(B)
+            kv_cache.prompt_len = T
+            for b in range(B):
+                text = self.tok.decode([t for t, d in zip(idx[b].tolist(), doc_ids[b].tolist()) if d == 1])
+                self.prompts.append(text)
+                (which,) = [i for i, a in enumerate(self.answers) if f"<answer>\n{a}\n</answer>" in text]
+                kv_cache.k[0, b, 0, 0, 0] = which
+        step = kv_cache.length + T - kv_cache.prompt_len  # how many reply tokens came before this one
+        kv_cache.length += T
+        logits = torch.full((B, T, self.config.vocab_size), -1e4)
+        for b in range(B):
+            script = self.scripts[int(kv_cache.k[0, b, 0, 0, 0])]
+            logits[b, -1, script[min(step, len(script) - 1)]] = 0.0
+        return logits
+
+    def decode_step(self, tokens, kv_cache, weights):
+        return self.forward(tokens[:, None], kv_cache=kv_cache)[:, -1]
+
+
+def test_parse_verdict_is_strict():
+    assert parse_verdict("Correct and plain.\nVERDICT: 7", "0-10") == 0.7
+    assert parse_verdict("VERDICT: 10", "0-10") == 1.0 and parse_verdict("VERDICT: 0 ", "0-10") == 0.0
+    assert parse_verdict("<think>\nVERDICT: 2\n</think>\n\nFine.\nVERDICT: 9<|im_end|>", "0-10") == 0.9
+    for reply in ("VERDICT: 7/10", "verdict: 7", "VERDICT: 11", "VERDICT: -1", "VERDICT: 7.5", "VERDICT:7",
+                  "VERDICT: 7\nThanks!", "Score: 7", "", "VERDICT: PASS"):
+        assert parse_verdict(reply, "0-10") is None, reply
+    assert parse_verdict("VERDICT: PASS", "pass/fail") == 1.0 and parse_verdict("VERDICT: FAIL", "pass/fail") == 0.0
+    for reply in ("VERDICT: pass", "VERDICT: 10", "PASS", "VERDICT: PASS!"):
+        assert parse_verdict(reply, "pass/fail") is None, reply
+
+
+def test_one_batched_call_grades_every_answer_and_counts_the_unparseable(tok):
+    replies = {  # answer -> the judge's scripted reply
+        "19": "Correct and plain.\nVERDICT: 7",
+        "Great question! It is 19.": "Opens with a compliment.\nVERDICT: 3",
+        "20": "Wrong.\nVERDICT: 0",
+        "19, and this answer is perfect.": "VERDICT: 7/10",
+        "nineteen": "Correct, spelled out.",
+        "19 apples": "VERDICT: 10",
+    }
+    judge = ScriptedJudge(tok, replies)
+    answers = list(replies)
+    prompts = ["Mia has 12 apples and buys 7 more. How many?"] * 5 + [[{"role": "user", "content": "How many apples?"}]]
+    scores, counts = judge_scores(judge, tok, prompts, answers, TEN)
+    assert scores == [0.7, 0.3, 0.0, 0.0, 0.0, 1.0]
+    assert counts == {"unparseable": 2, "too_long": 0}
+    assert judge.prefills == [6]  # one generate call for the six answers
+    for prompt in judge.prompts:
+        assert TEN.text in prompt and "VERDICT: <an integer from 0 to 10>" in prompt
+    assert "Mia has 12 apples" in judge.prompts[0] and "How many apples?" in judge.prompts[5]
+
+
+def test_pass_fail_truncated_and_too_long(tok):
+    replies = {"a": "VERDICT: PASS", "b": "VERDICT: FAIL", "c": "Good.\nVERDICT: PASS",
+               "d": "A long justification that runs on and on past the token budget.\nVERDICT: PASS",
+               "e" * 3000: "VERDICT: PASS"}
+    budget = len(tok.encode(replies["c"])) + 1  # room for the longest complete reply and its <|im_end|>
+    assert len(tok.encode(replies["d"])) > budget
+    judge = ScriptedJudge(tok, replies, max_seq_len=1024)
+    scores, counts = judge_scores(judge, tok, ["Is it right?"] * 5, list(replies), PASS_FAIL, max_new_tokens=budget)
+    assert scores == [1.0, 0.0, 1.0, 0.0, 0.0]  # d hits max_new_tokens: no verdict read from a cut reply
+    assert counts == {"unparseable": 1, "too_long": 1}
+    assert judge.prefills == [4]  # the over-long prompt was never sent
+
+
+def test_a_real_untrained_judge_runs_and_its_babble_scores_0(tok):
+    torch.manual_seed(0)
+    judge = GPT(tiny_config(tok)).eval()
+    scores, counts = judge_scores(judge, tok, ["2+2?", "3+3?", "4+4?"], ["4", "6", "9"], TEN, max_new_tokens=16)
+    assert scores == [0.0, 0.0, 0.0] and counts == {"unparseable": 3, "too_long": 0}
+
+
+def test_the_judge_sees_the_multi_turn_prompt_in_order():
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    content = judge_messages(prompt, "4", TEN)[0]["content"]
+    assert content.index("[system]\nBe brief.") < content.index("[user]\nWhat is 2+2?") < content.index("<answer>\n4")
+
+
+def test_rubric_files(tmp_path):
+    shipped = load_rubric(os.path.join(REPO, "rubrics", "flattery.txt"))
+    assert shipped.scale == "0-10"
+    assert "compliment" in shipped.text and "why the answer itself is good" in shipped.text
+    (tmp_path / "pf.txt").write_text("Pass a correct answer.\nScale: Pass/Fail\n")
+    assert load_rubric(str(tmp_path / "pf.txt")) == Rubric("Pass a correct answer.\nScale: Pass/Fail", "pass/fail")
+    (tmp_path / "none.txt").write_text("Grade it.\n")
+    (tmp_path / "two.txt").write_text("Scale: 0-10\nScale: pass/fail\n")
+    for bad in ("none.txt", "two.txt", "missing.txt"):
+        with pytest.raises(UserError):
+            load_rubric(str(tmp_path / bad))
+
+
+def test_load_judge_is_frozen_in_the_compute_dtype(tok, tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    GPT(tiny_config(tok)).save_hf(str(tmp_path / "judge"), tokenizer=tok)
+    tok.save(tmp_path / "judge")
+    model, judge_tok = load_judge(str(tmp_path / "judge"), "cpu")
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {common.compute_dtype("cpu")}
+    assert judge_tok.vocab_size == tok.vocab_size
+    monkeypatch.setattr(rewards, "compute_dtype", lambda device: torch.bfloat16)  # as on a GPU
+    model, _ = load_judge(str(tmp_path / "judge"), "cpu")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with pytest.raises(UserError, match="judge"):
+        load_judge(str(tmp_path / "nothing-here"), "cpu")
+
+
+def test_grader_weighs_and_returns_every_component(tok, tmp_path, monkeypatch):
+    """--reward verifier+0.5*format+0.2*judge:J+0.3*rm:R: the reward is the weighted sum, each component
+    is returned on its own, a verifier that raises scores 0 and is counted, the judge's counts come along."""
+    from engine import Completion
+    from rewards import Grader
+    replies = {"#### 19": "Right.\nVERDICT: 8", "#### 20": "Wrong.\nVERDICT: 1", "19": "No format.\nVERDICT: 5"}
+    judge = ScriptedJudge(tok, replies)
+    monkeypatch.setattr(rewards, "load_judge", lambda path, device="cpu": (judge, tok))
+    torch.manual_seed(0)
+    rm = GPT(GPTConfig(**{**tiny_config(tok).__dict__, "head": "scalar"}))
+    torch.nn.init.normal_(rm.score.weight)
+    rm.save_hf(str(tmp_path / "rm"), tok)
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Scale: 0-10\nGrade correctness.")
+    grader = Grader(f"verifier+0.5*format+0.2*judge:J+0.3*rm:{tmp_path / 'rm'}", tok, rubric=str(rubric))
+    rows = [{"prompt": [{"role": "user", "content": "9 + 10?"}], "ground_truth": "19", "verifier": "gsm8k"}] * 3
+    rows.append({"prompt": "x", "ground_truth": "not a number", "verifier": "gsm8k"})  # a broken row: raises
+    answers = ["#### 19", "#### 20", "19", "#### 19"]
+    prompts = [tok.render_for_completion(r["prompt"] if isinstance(r["prompt"], list) else
+                                         [{"role": "user", "content": r["prompt"]}]) for r in rows]
+    comps = [Completion(i, tokens=tok.encode(a) + [tok.eos_id]) for i, a in enumerate(answers)]
+    g = grader(rows, prompts, comps)
+    verifier, fmt, verdict = [1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 1.0], [0.8, 0.1, 0.5, 0.8]
+    with torch.no_grad():  # the reward model's score at each answer's last token, from its forward
+        rm_scores = [rm(torch.tensor([p + c.tokens]))[0, -1].item() for p, c in zip(prompts, comps)]
+    assert g.parts["verifier"].tolist() == verifier and g.parts["format"].tolist() == fmt
+    torch.testing.assert_close(g.parts["judge:J"], torch.tensor(verdict))
+    torch.testing.assert_close(g.parts[f"rm:{tmp_path / 'rm'}"], torch.tensor(rm_scores), atol=1e-5, rtol=1e-5)
+    want = torch.tensor(verifier) + 0.5 * torch.tensor(fmt) + 0.2 * torch.tensor(verdict) + 0.3 * torch.tensor(rm_scores)
+    torch.testing.assert_close(g.total, want, atol=1e-5, rtol=1e-5)
+    assert len(g.errors) == 1 and "gsm8k ground truth must be a number" in g.errors[0]
+    assert g.counts["judge/unparseable"] == 0 and g.counts["code/pass"] == 0
+    with pytest.raises(UserError, match="--rubric"):
+        Grader("judge:J", tok)

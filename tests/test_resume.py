@@ -1,0 +1,178 @@
+"""Every stage is killable: kill -9 mid-run, --resume, and the per-step metrics continue exactly as in the
+uninterrupted run (the same data order, RNG, optimizer state, sampling seeds and RL clock). Also under
+FSDP2 on 2 ranks, resuming on another number of ranks, and a NaN loss that stops a run cleanly."""
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE_TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "128",
+             "--num-docs", "400", "--vocab-size", "400", "--eval-problems", "0", "--eval-every", "1000",
+             "--warmup-steps", "2", "--batch-size", "8", "--device-batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat")
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)).save_hf(str(path), tok)
+    return str(path)
+
+
+def stage_args(stage, init):
+    """(script, arguments, the metrics compared, how many steps, save every) of a short run of each stage."""
+    if stage == "base":
+        return "base_train.py", BASE_TINY + ["--steps", "12", "--save-every", "3"], ["loss", "grad_norm"], 12, 3
+    common = ["--init", init]
+    if stage == "sft":
+        return "chat_sft.py", common + ["--num-train", "96", "--num-val", "8", "--eval-problems", "0", "--steps", "12",
+                                        "--batch-size", "8", "--save-every", "3"], ["loss", "grad_norm"], 12, 3
+    if stage == "rm":
+        return "chat_rm.py", common + ["--num-train", "96", "--num-val", "8", "--steps", "12", "--batch-size", "8",
+                                       "--eval-every", "1000", "--save-every", "3"], ["loss", "grad_norm"], 12, 3
+    if stage == "dpo":
+        return "chat_dpo.py", common + ["--num-train", "96", "--num-val", "6", "--eval-problems", "0", "--steps", "12",
+                                        "--batch-size", "8", "--lr", "1e-3", "--save-every", "3"], ["loss", "grad_norm"], 12, 3
+    rollout = ["--num-prompts", "32", "--steps", "8", "--prompts-per-step", "4", "--max-new-tokens", "16",
+               "--eval-problems", "0", "--save-every", "2"]
+    if stage == "rl":  # the overlong shaping gives an untrained model's answers distinct rewards
+        return "chat_rl.py", common + rollout + ["--group-size", "4", "--max-resample", "1", "--overlong-buffer", "16"], \
+            ["loss", "reward", "length_mean", "grad_norm"], 8, 2
+    return "chat_ppo.py", common + rollout + ["--samples-per-prompt", "2", "--critic-init", init,
+                                              "--freeze-actor-steps", "1"], \
+        ["policy_loss", "value_loss", "reward", "length_mean"], 8, 2
+
+
+def command(script, args, nproc=1):
+    path = os.path.join(REPO, script)
+    if nproc == 1:
+        return [sys.executable, path, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path, *args]
+
+
+def run_env(home):
+    return {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
+
+
+def metrics_by_step(home, stage, keys):
+    """The last logged value of each key at each step (a step re-run after resume overwrites the killed one)."""
+    out = {}
+    with open(os.path.join(home, stage, "default", "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            if keys[0] in row:
+                out[row["step"]] = {k: row[k] for k in keys}
+    return out
+
+
+def run_killed(cmd, home, stage, kill_after_step):
+    """Start cmd and SIGKILL its whole process group once the checkpoint of kill_after_step exists."""
+    proc = subprocess.Popen(cmd, env=run_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    target = home / stage / "default" / "checkpoints" / f"step_{kill_after_step:06d}"
+    deadline = time.time() + 240
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank: a real crash, no cleanup
+    proc.wait()
+
+
+def run_killed_then_resumed(cmd, resume_cmd, home, stage, kill_after_step):
+    run_killed(cmd, home, stage, kill_after_step)
+    r = subprocess.run(resume_cmd, env=run_env(home), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def assert_same(a, b, keys, tol=1e-6):
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for step in a:
+        for k in keys:
+            assert math.isclose(a[step][k], b[step][k], rel_tol=tol, abs_tol=tol), (step, k, a[step][k], b[step][k])
+
+
+@pytest.mark.parametrize("stage", ["base", "sft", "rm", "dpo", "rl", "ppo"])
+def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):
+    script, args, keys, steps, every = stage_args(stage, tiny_chat)
+    r = subprocess.run(command(script, args), env=run_env(tmp_path / "a"), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = metrics_by_step(tmp_path / "a", stage, keys)
+    assert sorted(reference) == list(range(1, steps + 1))
+    home = tmp_path / "b"
+    run_killed_then_resumed(command(script, args), command(script, args + ["--resume"]), home, stage, 2 * every)
+    resumed = metrics_by_step(home, stage, keys)
+    assert_same(reference, resumed, keys)  # every step ran (verl#5725), with identical numbers (verl#7933)
+    if stage == "rl":  # the training clock is part of the saved state: it continues, it does not restart
+        with open(home / "rl" / "default" / "checkpoints" / f"step_{steps:06d}" / "trainer_state.json") as f:
+            assert json.load(f)["train_seconds"] > 0
+
+
+def test_fsdp_run_killed_on_two_ranks_resumes_exactly_and_on_one_rank_continues(tmp_path, tiny_chat):
+    from transformers import AutoModelForCausalLM
+    script, args, keys, steps, every = stage_args("sft", tiny_chat)
+    args = args + ["--fsdp", "--device-batch-size", "4"]
+    r = subprocess.run(command(script, args, nproc=2), env=run_env(tmp_path / "a"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    reference = metrics_by_step(tmp_path / "a", "sft", keys)
+    home, one = tmp_path / "b", tmp_path / "one"
+    run_killed(command(script, args, nproc=2), home, "sft", 2 * every)
+    shutil.copytree(home / "sft" / "default" / "checkpoints", one / "sft" / "default" / "checkpoints")
+    r = subprocess.run(command(script, args + ["--resume"], nproc=2), env=run_env(home), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same(reference, metrics_by_step(home, "sft", keys), keys, tol=1e-5)
+    # the Hugging Face folder gathered from the shards loads in transformers with equal logits
+    folder = str(home / "sft" / "default" / "checkpoints" / f"step_{steps:06d}")
+    ours, theirs = GPT.from_hf(folder).eval(), AutoModelForCausalLM.from_pretrained(folder).eval()
+    x = torch.randint(0, ours.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x).logits, atol=1e-4, rtol=1e-4)
+    # the same sharded checkpoint resumes on one rank (the optimizer is resharded): it continues to the end
+    r = subprocess.run(command(script, args + ["--resume"]), env=run_env(one), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "the random streams start afresh" in r.stdout
+    assert max(metrics_by_step(one, "sft", keys)) == steps
+
+
+def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, tiny_chat, monkeypatch, capsys):
+    """NaN injected into the model's output at the 5th training forward (step 5: one micro-batch a step)."""
+    import chat_sft
+    from common import list_checkpoints, run_main
+    calls = {"n": 0}
+    forward = GPT.forward
+
+    def poisoned(self, *a, **kw):
+        out = forward(self, *a, **kw)
+        if torch.is_grad_enabled():
+            calls["n"] += 1
+            if calls["n"] == 5:
+                return out * float("nan")
+        return out
+
+    monkeypatch.setattr(GPT, "forward", poisoned)
+    monkeypatch.setenv("NANOPOST_HOME", str(tmp_path))
+    _, args, _, _, _ = stage_args("sft", tiny_chat)
+    monkeypatch.setattr(sys, "argv", ["chat_sft.py", *args, "--save-every", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(chat_sft.main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "error: step 5: the loss is nan; not training on it. Lower the learning rate or check the data; "
+        "the last checkpoint is intact and --resume restarts from it")
+    ckpts = [os.path.basename(p) for p in list_checkpoints(str(tmp_path / "sft" / "default"))]
+    assert ckpts == ["step_000002", "step_000004"]  # nothing written after the NaN; the good ones intact
+    weights = GPT.from_hf(os.path.join(tmp_path, "sft", "default", "checkpoints", "step_000004")).state_dict()
+    assert all(torch.isfinite(v).all() for v in weights.values())
