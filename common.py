@@ -311,11 +311,27 @@ def print_config(args, title: str):
 
 
 class MetricsLogger:
-    """Appends one JSON object per line to run_dir/metrics.jsonl (rank 0 only)."""
+    """Appends one JSON object per line to run_dir/metrics.jsonl (rank 0 only): {"step", "time", metrics...}.
 
-    def __init__(self, path: str):
+    With wandb_project, every row also goes to Weights & Biases (the same metric names, `step` as wandb's
+    step; `time` is left out, wandb records its own). wandb is optional (`pip install wandb`). Offline
+    mode is wandb's own switch: WANDB_MODE=offline writes the run under run_dir/wandb/ without an account
+    or a network, and `wandb sync run_dir/wandb/offline-run-*` uploads it later. A resumed run starts a
+    new wandb run, whose steps go on from the checkpoint's. close() finishes the wandb run."""
+
+    def __init__(self, path: str, wandb_project: str | None = None, run_name: str | None = None,
+                 config: dict | None = None):
         self.path = path
         self.enabled = _DIST.is_main
+        self.wandb_run = None
+        if self.enabled and wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise UserError(f"--wandb {wandb_project}: the wandb package is not installed; pip install wandb "
+                                f"(or drop --wandb: metrics.jsonl has the same numbers)") from None
+            self.wandb_run = wandb.init(project=wandb_project, name=run_name, config=config,
+                                        dir=os.path.dirname(os.path.abspath(path)))
 
     def log(self, step: int, **metrics):
         if not self.enabled:
@@ -324,6 +340,14 @@ class MetricsLogger:
         row.update({k: (float(v) if isinstance(v, (torch.Tensor, np.floating)) else v) for k, v in metrics.items()})
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
+
+    def close(self):
+        """Finish the wandb run (the JSONL file needs nothing: every row is written when logged)."""
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
 
 
 def write_eval(run_path: str, metrics: dict):
