@@ -31,6 +31,7 @@ from model import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/base/<run>")
+parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
 parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
 parser.add_argument("--seed", type=int, default=0)
 # tokenizer
@@ -129,7 +130,8 @@ def main():
     seed_everything(args.seed, dist.rank)
     print_config(args, "base_train")
     out_dir = run_dir("base", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"base/{args.run_name}",
+                        config=vars(args))
 
     tok = build_tokenizer(args, dist)
     train_ex = documents(tok, "train", args.num_docs, args.seed, args.seq_len)
@@ -213,6 +215,7 @@ def main():
         log.log(args.steps, **{f"final/{k}": v for k, v in scores.items()})
         if dist.is_main:
             write_eval(out_dir, scores)
+    log.close()
     cleanup_dist()
 
 

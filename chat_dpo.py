@@ -45,6 +45,7 @@ LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
 parser = argparse.ArgumentParser(description="direct preference optimization and its variants")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
 parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/dpo/<run>")
+parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
@@ -363,7 +364,7 @@ def main():
     import memory
     from chat_eval import evaluate_chat, paired_change
     from model import load_config
-    from tasks import kto_rows, load_kto, load_preferences, preference_pairs, rl_prompts
+    from tasks import kto_rows, load_kto, load_preferences, overlap_warning, preference_pairs, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
@@ -392,8 +393,11 @@ def main():
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_dpo")
+    if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
+        print0(warning)
     out_dir = run_dir("dpo", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"dpo/{args.run_name}",
+                        config=vars(args))
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
 
@@ -558,6 +562,7 @@ def main():
     log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     if dist.is_main:
         write_eval(out_dir, ev)
+    log.close()
     cleanup_dist()
 
 

@@ -45,7 +45,7 @@ STAGES = ("base", "sft", "rm", "dpo", "rl", "ppo")
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Probability that at least one of k samples (drawn from n, of which c are correct) is correct.
-    With p = c/n and n large this is the seed's 1 - (1 - p)^k: p = 0.3 -> 0.3000, 0.7599, 0.9424, 0.9967."""
+    With p = c/n and n large this is 1 - (1 - p)^k: p = 0.3 -> 0.3000, 0.7599, 0.9424, 0.9967 for k = 1, 4, 8, 16."""
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)

@@ -49,6 +49,7 @@ parser.add_argument("--init", default=None, help="actor (and reference) model fo
 parser.add_argument("--critic-init", default=None, help="critic trunk: an RM or LM folder / run dir "
                     "(default: $NANOPOST_HOME/rm/default, else the --init model with a fresh value head)")
 parser.add_argument("--run-name", default="default")
+parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
@@ -246,7 +247,7 @@ def main():
     from engine import Engine
     from model import load_config
     from rewards import Grader
-    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
+    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, overlap_warning, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
@@ -263,8 +264,11 @@ def main():
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_ppo")
+    if args.data and (warning := overlap_warning(rows, eval_rows)):  # the held-out rows should be new to training
+        print0(warning)
     out_dir = run_dir("ppo", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"ppo/{args.run_name}",
+                        config=vars(args))
     if args.prompts_per_step % dist.world_size:
         raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
     local_prompts = args.prompts_per_step // dist.world_size
@@ -508,6 +512,7 @@ def main():
         if dist.is_main:
             write_eval(out_dir, scores)
     print0(f"peak memory {peak_memory_mb(device):.0f} MiB")
+    log.close()
     cleanup_dist()
 
 

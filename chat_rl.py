@@ -48,6 +48,7 @@ from rollout import Rollouts, batch_logprobs, kl_penalty, sample, tis_weights, t
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
 parser.add_argument("--init", default=None, help="model folder or run dir (default: the SFT run)")
 parser.add_argument("--run-name", default="default")
+parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
@@ -312,7 +313,7 @@ def main():
     from engine import Engine
     from model import load_config
     from rewards import Grader
-    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
+    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, overlap_warning, rl_prompts
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
@@ -329,8 +330,11 @@ def main():
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_rl")
+    if args.data and (warning := overlap_warning(rows, eval_rows)):  # the held-out rows should be new to training
+        print0(warning)
     out_dir = run_dir("rl", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"rl/{args.run_name}",
+                        config=vars(args))
     if args.prompts_per_step % dist.world_size:
         raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
 
@@ -487,6 +491,7 @@ def main():
         scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(args.steps)
         if dist.is_main:
             write_eval(out_dir, scores)
+    log.close()
     cleanup_dist()
 
 

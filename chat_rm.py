@@ -39,6 +39,7 @@ from rewards import score
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
 parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/rm/<run>")
+parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
@@ -201,7 +202,7 @@ def evaluate_pairs(model, pairs, batch_size=32):
 def main():
     import memory
     from model import load_config
-    from tasks import load_preferences, preference_pairs
+    from tasks import load_preferences, overlap_warning, preference_pairs
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
@@ -224,8 +225,11 @@ def main():
     device = dist.device
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_rm")
+    if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
+        print0(warning)
     out_dir = run_dir("rm", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"rm/{args.run_name}",
+                        config=vars(args))
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
     train_pairs, dropped = render_pairs(tok, train_rows, args.max_len)
@@ -323,6 +327,7 @@ def main():
     log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     if dist.is_main:
         write_eval(out_dir, ev)
+    log.close()
     cleanup_dist()
 
 

@@ -33,6 +33,7 @@ from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
 parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/sft/<run>")
+parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows (default: the embedded world)")
@@ -124,7 +125,7 @@ def main():
     import memory
     from chat_eval import evaluate_chat
     from model import load_config
-    from tasks import load_sft, rl_prompts, sft_conversations
+    from tasks import load_sft, overlap_warning, rl_prompts, sft_conversations
     from tokenizer import Tokenizer
 
     args = parser.parse_args()
@@ -135,7 +136,8 @@ def main():
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_sft")
     out_dir = run_dir("sft", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"))
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"sft/{args.run_name}",
+                        config=vars(args))
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"))
     tok = Tokenizer.load(init)
     if args.eval_data:
@@ -147,6 +149,8 @@ def main():
         val_rows = sft_conversations("val", args.num_val, seed=args.seed)
     # greedy pass@1 on held-out problems: the embedded world's (a user's SFT rows have no answer key)
     eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
+    if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
+        print0(warning)
     train_ex, counts = render_examples(tok, train_rows, args.seq_len, args.overlong)
     val_ex, _ = render_examples(tok, val_rows, args.seq_len, args.overlong)
     if not train_ex:
@@ -232,6 +236,7 @@ def main():
     log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
     if dist.is_main:
         write_eval(out_dir, scores)
+    log.close()
     cleanup_dist()
 
 

@@ -112,3 +112,18 @@ def test_row_texts_of_every_form():
     assert row_texts({"text": "plain"}) == ["plain"]
     with pytest.raises(ValueError, match="expected an SFT row"):
         row_texts({"question": "q"})
+
+
+def test_a_stage_given_data_warns_when_its_held_out_rows_overlap(tmp_path):
+    """chat_rl.py --data FILE: a held-out row (the file's last 2%) that repeats a training row is reported
+    before any model is loaded (the run then stops on the missing --init, which is fine here)."""
+    rows = [{"prompt": f"Mia has {i} apples and buys {i + 3} more apples at the market today. How many now?",
+             "ground_truth": str(2 * i + 3), "verifier": "gsm8k"} for i in range(60)]
+    rows.append(rows[5])  # the last row (held out) repeats a training row
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**os.environ, "NANOPOST_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, os.path.join(REPO, "chat_rl.py"), "--data", str(data), "--init",
+                        str(tmp_path / "missing")], env=env, capture_output=True, text=True, timeout=300)
+    assert "warning: --data: " in r.stdout and "evaluation rows" in r.stdout
+    assert r.returncode == 2  # the missing model, after the warning

@@ -1,4 +1,4 @@
-"""DPO and its variants: the seed's beta table, each loss at a hand-computed point, the reference, truncation,
+"""DPO and its variants: the beta table (margins +1.40, -0.20, -2.60), each loss at a hand-computed point, the reference, truncation,
 log-prob sums under padding and packing, and real runs (2 ranks = 1 rank, live = precomputed reference)."""
 import json
 import math
@@ -31,7 +31,7 @@ def test_seed_beta_table():
         pc = T([c for c, _ in examples], requires_grad=True)
         out, rc, rr = dpo_loss(pc, T([r for _, r in examples]), torch.zeros(3), torch.zeros(3), beta=beta)
         torch.testing.assert_close(out, T(losses), atol=5e-5, rtol=0)
-        out.sum().backward()  # d loss / d log pi(chosen) = d loss / d margin: the seed's |gradient|
+        out.sum().backward()  # d loss / d log pi(chosen) = d loss / d margin: the table's |gradient|
         torch.testing.assert_close(pc.grad.abs(), T(grads), atol=5e-5, rtol=0)
         torch.testing.assert_close(rc - rr, beta * T([1.4, -0.2, -2.6]))
     assert abs(0.3929 / 0.0465 - 8.45) < 0.01 and abs(0.3929 / 0.1659 - 2.37) < 0.01

@@ -158,3 +158,33 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == ["error: --plot needs matplotlib, which is not installed: pip install matplotlib"]
+
+
+def test_a_stage_with_wandb_logs_the_same_rows(tmp_path, tok):
+    """chat_sft.py --wandb PROJECT, with a stub wandb package on the path that records its calls."""
+    import torch
+
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)).save_hf(str(tmp_path / "base"), tok)
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "wandb.py").write_text(
+        "import json, os\n"
+        "LOG = os.environ['WANDB_STUB_LOG']\n"
+        "def _w(*a):\n    open(LOG, 'a').write(json.dumps(a) + '\\n')\n"
+        "class _Run:\n    def log(self, data, step=None): _w('log', data, step)\n    def finish(self): _w('finish')\n"
+        "def init(**kw):\n    _w('init', kw['project'], kw['name'])\n    return _Run()\n")
+    env = {**os.environ, "NANOPOST_HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "WANDB_STUB_LOG": str(tmp_path / "w.log"),
+           "PYTHONPATH": f"{stub}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, os.path.join(REPO, "chat_sft.py"), "--init", str(tmp_path / "base"), "--steps", "2",
+                        "--num-train", "32", "--batch-size", "8", "--eval-problems", "0", "--wandb", "my-project"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    calls = [json.loads(line) for line in open(tmp_path / "w.log")]
+    rows = [json.loads(line) for line in open(tmp_path / "sft" / "default" / "metrics.jsonl")]
+    assert calls[0] == ["init", "my-project", "sft/default"] and calls[-1] == ["finish"]
+    logged = [c for c in calls if c[0] == "log"]
+    assert [c[2] for c in logged] == [row["step"] for row in rows]
+    assert all(c[1] == {k: v for k, v in row.items() if k not in ("step", "time")} for c, row in zip(logged, rows))

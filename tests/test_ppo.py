@@ -1,4 +1,4 @@
-"""chat_ppo.py: the seed's GAE table; the per-token reward shape; the clipped value loss by hand; whitening;
+"""chat_ppo.py: the GAE table (gamma 1, lambda 0.95); the per-token reward shape; the clipped value loss by hand; whitening;
 the adaptive KL controller; a second PPO epoch sees exp(new - old snapshot) != 1; 2 gloo ranks with uneven
 lengths give one rank's actor and critic gradients; the real loop runs on 1 process and on 2 ranks."""
 import json
@@ -47,8 +47,8 @@ def test_gae_seed_table():
 
 
 def test_gae_tokens_outside_the_mask_neither_receive_nor_pass_credit():
-    """The seed's answer laid out after a 2-token prompt, with 2 forced tool tokens in the middle and
-    right padding, next to a shorter answer: the answer tokens get exactly the seed's advantages, and
+    """The GAE table's answer laid out after a 2-token prompt, with 2 forced tool tokens in the middle and
+    right padding, next to a shorter answer: the answer tokens get exactly the table's advantages, and
     whatever reward or value sits outside the mask changes nothing."""
     T = 11
     mask = torch.zeros(2, T)
@@ -86,7 +86,7 @@ def test_token_rewards_score_at_last_answer_token_and_kl_everywhere():
     assert torch.allclose(r, want)
     assert torch.all(r[mask == 0] == 0)                       # nothing lands on prompt or padding
     assert close(r[0, 3], 1.0 - 0.1 * 0.8)                    # the last token carries score and its own KL
-    # the seed's three tokens: k1 0.2, 0.1, 0.8 at beta 0.1 -> -0.02, -0.01, +0.92
+    # three tokens: k1 0.2, 0.1, 0.8 at beta 0.1 -> -0.02, -0.01, +0.92
     r3, _ = token_rewards(torch.tensor([1.0]), torch.tensor([[0.2, 0.1, 0.8]]), torch.zeros(1, 3), torch.ones(1, 3), 0.1)
     assert torch.allclose(r3, torch.tensor([[-0.02, -0.01, 0.92]]))
     # a row with no trained token gets nothing at all

@@ -58,7 +58,7 @@ def test_equal_rewards_give_exactly_zero_gradient():
 
 
 # ------------------------------------------------------------------------------------------------
-# Clipping: the seed's clip-higher table (A = +1)
+# Clipping: the clip-higher table (A = +1)
 
 OLD = torch.tensor([[-0.2, -0.5, -2.3, -0.05, -3.0]])      # p_old 0.8187, 0.6065, 0.1003, 0.9512, 0.0498
 DELTA = torch.tensor([[0.1, -0.3, 0.4, 0.03, -0.5]])       # ratios 1.1052, 0.7408, 1.4918, 1.0305, 0.6065
@@ -103,7 +103,7 @@ def test_dual_clip_bounds_negative_advantages():
 
 
 # ------------------------------------------------------------------------------------------------
-# GSPO: the seed's sequence ratio, and two sequences of different lengths (trl#3823)
+# GSPO: the sequence ratio table, and two sequences of different lengths (trl#3823)
 
 def test_gspo_sequence_ratio_seed_table():
     old = torch.tensor([[-0.10, -0.20, -0.05, -2.50, -0.15]])
@@ -393,3 +393,24 @@ def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
     want, got = load_file(str(tmp_path / "one" / ckpt)), load_file(str(tmp_path / "two" / ckpt))
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)
+
+
+def test_target_kl_stops_the_updates_once_the_policy_has_moved():
+    """CleanRL's early stop: the approximate KL to the sampling policy is measured in each minibatch's
+    forward; the first minibatch sees the sampling policy itself (KL 0), the second one a policy moved by
+    one step: past --target-kl, the remaining updates of the batch are skipped."""
+    import chat_rl
+    from common import make_optimizer
+    prompts, comps, adv = synthetic_batch()
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    counts = {}
+    for target in (None, 1e-9):
+        model = tiny_policy()
+        optimizer = make_optimizer(model, 1e-2)
+        flags = ["--ppo-epochs", "2", "--minibatches", "2"] + ([] if target is None else ["--target-kl", str(target)])
+        with torch.no_grad():
+            old = model(b.inputs, b.targets)
+        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv, ref_logp=None, tis=None,
+                                       step=0, args=chat_rl.parser.parse_args(flags))
+        counts[target] = totals["updates"]
+    assert counts == {None: 4, 1e-9: 2}

@@ -1,4 +1,4 @@
-"""Reward model: the seed's Bradley-Terry table, shift invariance, and a score that depends only on its sequence."""
+"""Reward model: the Bradley-Terry table (pairs A-D), shift invariance, and a score that depends only on its sequence."""
 import json
 import math
 import os
@@ -18,7 +18,7 @@ from tasks import PREFERENCE_KINDS, preference_pairs
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# the seed's four pairs: (r_chosen, r_rejected) and each pair's -log sigmoid(margin)
+# four pairs: (r_chosen, r_rejected) and each pair's -log sigmoid(margin)
 SEED_PAIRS = {"A": (2.10, 0.40, 0.1678), "B": (1.25, 0.90, 0.5334), "C": (0.80, -0.60, 0.2204), "D": (1.40, 0.55, 0.3559)}
 
 
@@ -27,7 +27,7 @@ def test_seed_bradley_terry_table():
     rr = torch.tensor([v[1] for v in SEED_PAIRS.values()])
     for k, (c, r, expect) in SEED_PAIRS.items():
         assert abs(reward_loss(torch.tensor([c]), torch.tensor([r])).item() - expect) < 5e-5, k
-    total = 4 * reward_loss(rc, rr).item()  # the seed's table sums; the loss is the mean
+    total = 4 * reward_loss(rc, rr).item()  # the table sums; the loss is the mean
     assert abs(total - 1.2775) < 5e-4
     rc_d, rr_d = rc.clone(), rr.clone()
     rc_d[3], rr_d[3] = rr[3], rc[3]  # pair D scored backwards

@@ -1,4 +1,4 @@
-"""SFT: the seed's worked loss, the mask against the tokens it covers, packing, and the global normalizer."""
+"""SFT: the worked twelve-token loss, the mask against the tokens it covers, packing, and the global normalizer."""
 import math
 import os
 import subprocess

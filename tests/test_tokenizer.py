@@ -154,7 +154,7 @@ def test_seed_tool_call_layout(tok):
               '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"temp_c": 21, "sky": "clear"}\n'
               '</tool_response><|im_end|>\n<|im_start|>assistant\n')
     assert render_text(msgs).endswith(layout + "<think>\n\n</think>\n\nIt is 21 C and clear in Paris.<|im_end|>\n")
-    # the training render never invents the empty think block, so the seed's layout comes out verbatim
+    # the training render never invents the empty think block, so the conversation's layout comes out verbatim
     assert tok.decode(tok.render_conversation(msgs)[0]).endswith(layout + "It is 21 C and clear in Paris.<|im_end|>\n")
 
 
