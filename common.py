@@ -11,6 +11,7 @@ batch B, with torch's DistributedDataParallel or with FSDP2 (--fsdp).
 import contextlib
 import datetime
 import errno
+import gc
 import json
 import os
 import random
@@ -46,6 +47,7 @@ def run_main(main):
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    cleanup_dist()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,12 +206,79 @@ def wrap_model(model, fsdp=False):
     return ddp
 
 
-def load_model(path, dtype=torch.float32, head=None, fsdp=False):
+def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None):
     """A model folder loaded for this rank, on its device: whole, or with fsdp=True under torchrun built
-    sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor."""
+    sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor. `path` may be a
+    LoRA adapter folder (merged into its base in float32). lora (lora_options): LoRA training, the base
+    frozen in the compute dtype with float32 adapters on top (model.add_lora)."""
     from model import GPT
     shard = shard_model if fsdp and _DIST.world_size > 1 else None
-    return GPT.from_hf(path, dtype=dtype, device=_DIST.device, head=head, shard=shard)
+    if lora:
+        dtype = compute_dtype(_DIST.device)
+    model = GPT.from_hf(path, dtype=dtype, device=_DIST.device, head=head, shard=shard, lora=lora)
+    if lora:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print0(f"LoRA rank {model.lora['r']} (alpha {model.lora['alpha']:g}) on {','.join(model.lora['targets'])}: "
+               f"{trainable:,} trainable parameters of {model.num_params():,} ({trainable / model.num_params():.2%}); "
+               f"the base frozen in {str(dtype).removeprefix('torch.')}")
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA: the same flags in every stage
+
+def add_lora_flags(parser):
+    """--lora-rank and its companions (see model.LoRALinear and the README's LoRA section)."""
+    from model import LORA_TARGETS
+    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base "
+                        "(0: full fine-tuning); RL wants ~10x the full fine-tuning --lr")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="the update is scaled by alpha / rank (default: 2 x rank)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
+                        help="comma-separated linear layers to adapt (default: every one in attention and MLP)")
+
+
+def lora_options(args, resume=False):
+    """The LoRA options of a run (None without --lora-rank): resume=True continues the adapter of the
+    checkpoint being loaded instead of starting fresh ones."""
+    if not getattr(args, "lora_rank", 0):
+        return None
+    return {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "seed": args.seed,
+            "targets": [t.strip() for t in args.lora_targets.split(",") if t.strip()], "resume": resume}
+
+
+class AdaptersOff:
+    """A LoRA model with its adapters switched off, callable like a model: the reference policy for free
+    (DPO's reference log-probs, GRPO's KL term, PPO's reference). It runs the very weights of the policy,
+    so nothing is loaded or kept twice. Call it under no_grad (the reference never trains)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        from model import adapters_off
+        gpt = unwrap(self.model)  # no DDP hooks: nothing to reduce (FSDP2's model is its own module)
+        with adapters_off(gpt):
+            return gpt(*args, **kwargs)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+
+def reference_model(model, init, fsdp=False):
+    """The frozen start a loss compares with: for a LoRA run the policy with its adapters off (AdaptersOff;
+    an --init adapter was merged into the base, so that IS the start), else `init` loaded again, frozen, in
+    the compute dtype."""
+    from model import lora_layers
+    if lora_layers(unwrap(model)):
+        return AdaptersOff(model)
+    return load_model(init, dtype=compute_dtype(_DIST.device), fsdp=fsdp).eval().requires_grad_(False)
 
 
 def unwrap(model):
@@ -253,7 +322,12 @@ def idle_pass(model, backward=True):
 
 
 def cleanup_dist():
+    """Tear the process group down. A DistributedDataParallel wrapper still alive then (its hooks make
+    reference cycles that only the collector frees) aborts the process one time in ~15 on gloo with
+    "terminate called without an active exception" (torch 2.13): collect it first. run_main calls this
+    after main() has returned, when its models are garbage."""
     if dist.is_initialized():
+        gc.collect()
         dist.barrier()  # no rank tears the process group down while another still talks to it
         dist.destroy_process_group()
 
@@ -389,7 +463,8 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2):
     """Write run_path/checkpoints/step_XXXXXX/ : a Hugging Face folder (config.json, the safetensors
-    weights, tokenizer files: what transformers reads), plus nanopost's training state: the optimizer
+    weights, tokenizer files: what transformers reads; a LoRA run's: its adapter folder in PEFT's format,
+    what peft reads), plus nanopost's training state: the optimizer
     (optimizer.pt, or under FSDP2 the sharded optimizer/ folder of torch.distributed.checkpoint, which a
     run on another number of ranks can load), trainer_state.json and rng_rank{r}.pt. Everything goes to
     a .tmp folder renamed into place only when complete, so a process killed mid-save leaves the previous
@@ -405,7 +480,8 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
             os.makedirs(tmp)
         barrier()
         if sharded or _DIST.is_main:  # sharded weights are gathered tensor by tensor, with every rank
-            gpt.save_hf(tmp, tokenizer)
+            # a LoRA run saves its adapter only (PEFT's format), which names the frozen base it applies to
+            (gpt.save_adapter if getattr(gpt, "lora", None) else gpt.save_hf)(tmp, tokenizer)
         if optimizer is not None and sharded:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -468,8 +544,9 @@ def latest_checkpoint(run_path):
 
 
 def resolve_model_path(path: str) -> str:
-    """A model folder (has config.json) as is; a run directory -> its latest checkpoint."""
-    if os.path.isfile(os.path.join(path, "config.json")):
+    """A model folder (config.json) or LoRA adapter folder (adapter_config.json) as is; a run directory ->
+    its latest checkpoint."""
+    if any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:

@@ -15,6 +15,11 @@ state cast to float32 times the float32 head, which is how the trainer computes 
 head is the main source of sampler/trainer mismatch in bfloat16 (MiniMax-M1, arXiv:2506.13585;
 PrimeIntellect-ai/prime-rl#2438).
 
+A LoRA model (model.LoRALinear) is sampled with its adapters unmerged: the frozen base, already in the
+compute dtype, is shared; the adapters are cast to it, and decode_step adds each fused layer's low-rank
+update B(A x) after its matmul (GPT.decode_weights). A bfloat16 merge W + (alpha/r) B A would round away
+every update element below half a ulp of W, which the trainer, applying them unmerged, does see.
+
 `generate` prepares on every call, so it always samples from the weights as they are now. A loop that
 calls it several times on unchanged weights (dynamic sampling's extra rounds) prepares once for all:
 
@@ -53,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from common import compute_dtype
-from model import GPT, KVCache, process_logits
+from model import GPT, KVCache, add_lora, process_logits
 from tokenizer import parse_tool_calls
 
 
@@ -64,7 +69,8 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)  # log-prob of each sampled token (0 for forced ones)
     mask: list[int] = field(default_factory=list)       # 1: sampled by the model, 0: forced (tool results)
     finish_reason: str = "length"                       # "stop" (a stop token) or "length" (max_new_tokens)
-    tool_calls: int = 0
+    tool_calls: int = 0                                 # tool-calling turns the engine answered
+    tool_errors: int = 0                                # tool results that were errors (malformed call, bad expression)
 
 
 def sample_next(logits, temperature, top_k, top_p, uniform):
@@ -168,6 +174,7 @@ class Engine:
         self.tools = tools or {}
         self.dtype = dtype or compute_dtype(_unwrap(model).device)
         self._prepared = None
+        self._frozen = None  # a snapshot's weights, fixed (Engine.snapshot)
         self.call_end_id = None
         if self.tools:
             self.call_end_id = tokenizer.token_to_id("</tool_call>")
@@ -176,15 +183,20 @@ class Engine:
                                  "Qwen3's and in ours): the engine detects a tool call by it")
 
     @torch.no_grad()
-    def prepare(self) -> Prepared:
-        """Read the model's weights once into what the engine decodes with (see the module docstring)."""
+    def prepare(self, copy=False) -> Prepared:
+        """Read the model's weights once into what the engine decodes with (see the module docstring).
+        copy=True copies them even where they could be shared (a snapshot must not move with training)."""
         master = _unwrap(self.model)
         params = dict(master.named_parameters())  # a tied head is listed once, as the embedding
-        if all(type(p.detach()) is torch.Tensor and p.dtype == self.dtype for p in params.values()):
+        lora = getattr(master, "lora", None)
+        if not copy and all(type(p.detach()) is torch.Tensor and p.dtype == self.dtype for p in params.values()) \
+                and not (lora and lora["dropout"]):
             model = master  # already plain and in the compute dtype (float32 on CPU): share, copy nothing
         else:
             with torch.device("meta"):
                 model = GPT(master.config)
+            if lora:  # LoRA: the adapters too, unmerged, in the compute dtype (see GPT.decode_weights), no dropout
+                add_lora(model, lora["r"], lora["alpha"], lora["targets"])
             for name, p in params.items():
                 if name == "lm_head.weight":
                     continue  # an untied head is only ever used in float32 (below): no compute-dtype copy
@@ -197,11 +209,24 @@ class Engine:
             model.rope_cos = master.rope_cos.to(self.dtype)
             model.rope_signed_sin = master.rope_signed_sin.to(self.dtype)
         head = _full_weight(master.lm_head.weight).float()  # no copy when the master is float32
+        if copy and head.data_ptr() == master.lm_head.weight.data_ptr():
+            head = head.clone()
         return Prepared(model=model, weights=model.decode_weights(head), head=head, versions=_versions(master))
+
+    def snapshot(self) -> "Engine":
+        """An engine over a frozen copy of the weights as they are now: it samples while the trainer moves on
+        (one-step-off-policy RL), or on purpose k steps behind (chat_rl.py --staleness). A collective under
+        FSDP2, like prepare: every rank takes it at the same moment."""
+        frozen = Engine(self.model, self.tokenizer, self.tools, self.dtype)
+        frozen._frozen = self.prepare(copy=True)
+        return frozen
 
     @contextmanager
     def prepared(self):
         """Prepare once for every generate inside the block (the weights must not change inside it)."""
+        if self._frozen is not None:  # a snapshot is prepared once and for all
+            yield self
+            return
         self._prepared = self.prepare()
         try:
             yield self
@@ -209,6 +234,8 @@ class Engine:
             self._prepared = None
 
     def _weights(self) -> Prepared:
+        if self._frozen is not None:
+            return self._frozen
         if self._prepared is None:
             return self.prepare()
         if _versions(_unwrap(self.model)) != self._prepared.versions:
@@ -267,6 +294,7 @@ class Engine:
         forced_at = torch.zeros(R, dtype=torch.long, device=device)   # and how many of them already fed
         forcing_until = -1        # the last step at which a queued token may still be fed (host-side)
         tool_calls = [0] * R      # per completion (host-side)
+        tool_errors = [0] * R     # per completion: tool results that were an error
         turn_start = [0] * R      # where each completion's current assistant turn began
         stop_ids = torch.tensor(sorted(tok.stop_ids), dtype=torch.long, device=device)
         results, n_batch, compactions = None, R, 0
@@ -315,8 +343,9 @@ class Engine:
                         n_live -= 1
                         continue
                     tool_calls[r] += 1
-                    turn = tok.decode(history[turn_start[r]:-1])
-                    queue[b] = tok.render_tool_responses(run_tool_calls(turn, self.tools))
+                    replies = run_tool_calls(tok.decode(history[turn_start[r]:-1]), self.tools)
+                    tool_errors[r] += sum(x.startswith("error:") for x in replies)
+                    queue[b] = tok.render_tool_responses(replies)
                     turn_start[r] = step + 1 + len(queue[b])
                     forcing_until = max(forcing_until, step + len(queue[b]))
                 if queue:
@@ -347,7 +376,7 @@ class Engine:
         tokens, logprobs, sampled = results["tokens"].tolist(), results["logprobs"].tolist(), results["sampled"].tolist()
         outs = [Completion(prompt_index=r // N, tokens=tokens[r][:length[r]], logprobs=logprobs[r][:length[r]],
                            mask=[int(m) for m in sampled[r][:length[r]]], finish_reason="length" if live[r] else "stop",
-                           tool_calls=tool_calls[r]) for r in range(R)]
+                           tool_calls=tool_calls[r], tool_errors=tool_errors[r]) for r in range(R)]
         if return_stats:
             new_tokens = sum(len(o.tokens) for o in outs)
             return outs, {"new_tokens": new_tokens, "seconds": time.perf_counter() - t_start,

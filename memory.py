@@ -44,12 +44,19 @@ class Shape:
         C, D, I = self.n_embd, self.head_dim, self.intermediate_size
         return C * (self.n_head + 2 * self.n_kv_head) * D + self.n_head * D * C + 3 * C * I + 2 * C + 2 * D
 
+    def lora_params(self, rank):
+        """The adapters' parameters at this rank on every linear layer of attention and MLP: r x (in + out)
+        each. Qwen3-8B at rank 32: 87.3M (1.1% of its 8.19B)."""
+        C, HD, KD, I = self.n_embd, self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.intermediate_size
+        return self.n_layer * rank * ((C + HD) * 2 + (C + KD) * 2 + (C + I) * 3)
+
     def params(self):
         embed = self.vocab_size * self.n_embd
         return embed * (1 if self.tie_word_embeddings else 2) + self.n_layer * self.block_params() + self.n_embd
 
 
-def activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, grad_checkpointing=False, graded_tokens=None):
+def activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, grad_checkpointing=False, graded_tokens=None,
+                     head_grad=True):
     """What one training pass over `tokens` tokens adds at its peak, early in backward.
     Blocks: per token and block, 1.2 x (6 C + 5 H*D + 2 Hk*D + 5 I) values (the norms' inputs, q/k/v before
     and after RoPE, attention's output, the MLP's gate, up and their product; the 1.2 is what the
@@ -57,7 +64,7 @@ def activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, grad_checkpoin
     worth while it is recomputed. The vocabulary head runs on the graded tokens only (graded_tokens, default
     all), chunked (about 2^26 float32 logits at a time):
     about five chunks' worth of logits live in a chunk's recomputed backward, and 1.5 float32 copies of
-    its (V, C) weight gradient while the chunks accumulate into it. The constants were fitted to real steps
+    its (V, C) weight gradient while the chunks accumulate into it (head_grad=False: a frozen head, LoRA). The constants were fitted to real steps
     on this CPU (benchmarks/bench_memory.py) and tests/test_memory.py holds them there."""
     C, HD, KD, I = shape.n_embd, shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim, shape.intermediate_size
     per_block = 1.2 * (6 * C + 5 * HD + 2 * KD + 5 * I) * dtype_bytes
@@ -67,7 +74,7 @@ def activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, grad_checkpoin
         blocks = tokens * per_block * shape.n_layer
     graded = tokens if graded_tokens is None else graded_tokens
     chunk = min(graded, max(1, 2**26 // shape.vocab_size)) * shape.vocab_size
-    return blocks + 5 * 4 * chunk + 1.5 * 4 * shape.vocab_size * C
+    return blocks + 5 * 4 * chunk + (1.5 * 4 * shape.vocab_size * C if head_grad else 0)
 
 
 def engine_bytes(shape: Shape, rows: int, tokens: int, dtype_bytes: int, sampler_copy: bool):
@@ -82,24 +89,29 @@ def engine_bytes(shape: Shape, rows: int, tokens: int, dtype_bytes: int, sampler
 
 def estimate(*, trained: list[Shape], frozen: list[Shape] = (), micro_batch_tokens: int, graded_tokens=None,
              world_size: int = 1, fsdp: bool = False, cuda: bool = False, grad_checkpointing: bool = False,
-             sample_rows: int = 0, sample_tokens: int = 0) -> dict:
+             sample_rows: int = 0, sample_tokens: int = 0, lora_rank: int = 0) -> dict:
     """Peak bytes per device, by component (see the module docstring), and their "total".
     trained: the shapes of the models an optimizer updates (one; PPO's actor and critic: two);
     frozen: models that only run forward; micro_batch_tokens: the tokens of one training pass (graded_tokens
     of them trained: the answers of RL passes; default all); sample_rows x sample_tokens: the engine's
-    batch (0: no sampling)."""
+    batch (0: no sampling). lora_rank > 0: the trained models' bases are frozen in the compute dtype and
+    only their adapters (Shape.lora_params, float32) have gradients and optimizer state; the reference is
+    the policy with its adapters off (pass no frozen copy of it)."""
     compute = 2 if cuda else 4
     shard = world_size if fsdp else 1
-    n_trained = sum(s.params() for s in trained)
-    out = {"weights": (4 * n_trained + compute * sum(s.params() for s in frozen)) / shard,
+    n_trained = sum(s.lora_params(lora_rank) if lora_rank else s.params() for s in trained)
+    frozen_params = sum(s.params() for s in frozen) + (sum(s.params() for s in trained) if lora_rank else 0)
+    out = {"weights": (4 * n_trained + compute * frozen_params) / shard,
            "gradients": 4 * n_trained / shard,
            "optimizer": 8 * n_trained / shard}
     if fsdp and world_size > 1:  # one block gathered at a time (and the root), in the compute dtype
         out["weights"] += compute * max(s.block_params() + s.vocab_size * s.n_embd for s in trained)
-    out["activations"] = sum(activation_bytes(s, micro_batch_tokens, compute, grad_checkpointing, graded_tokens)
-                             for s in trained)
-    out["engine"] = engine_bytes(trained[0], sample_rows, sample_tokens, compute, sampler_copy=cuda or fsdp) \
-        if sample_rows else 0
+    out["activations"] = sum(activation_bytes(s, micro_batch_tokens, compute, grad_checkpointing, graded_tokens,
+                                              head_grad=not lora_rank) for s in trained)
+    # a LoRA base already in the compute dtype is shared by the engine, not copied (only its float32 head is)
+    copy = (cuda or fsdp) and not (lora_rank and not fsdp)
+    out["engine"] = engine_bytes(trained[0], sample_rows, sample_tokens, compute, sampler_copy=copy) \
+        + (4 * trained[0].vocab_size * trained[0].n_embd if lora_rank and not copy and cuda else 0) if sample_rows else 0
     # three phases take turns on top of the weights and the optimizer state: sampling (the engine), a
     # forward and backward (activations), and the optimizer step (every gradient, and AdamW's temporaries,
     # about one more float32 copy of the trained parameters)
@@ -155,17 +167,17 @@ QWEN3 = {name: Shape(151936, L, C, H, Hk, 128, I, tie) for name, (L, C, H, Hk, I
     "14B": (40, 5120, 40, 8, 17408, False), "32B": (64, 5120, 64, 8, 25600, False)}.items()}
 
 
-def stage_estimates(shape: Shape, world_size=1, fsdp=False) -> dict:
+def stage_estimates(shape: Shape, world_size=1, fsdp=False, lora_rank=0) -> dict:
     """Each stage at real-model settings on CUDA (bf16 compute, --grad-checkpointing): SFT and DPO at
     4,096-token passes (DPO's reference precomputed), GRPO sampling 64 answers of 1,024 tokens after a
     512-token prompt per device and training 8,192-token passes, PPO the same with a critic of the same
-    size and the reference loaded."""
-    common = dict(world_size=world_size, fsdp=fsdp, cuda=True, grad_checkpointing=True)
+    size and the reference loaded (with LoRA: the actor's adapters off, no copy)."""
+    common = dict(world_size=world_size, fsdp=fsdp, cuda=True, grad_checkpointing=True, lora_rank=lora_rank)
     rollout = dict(sample_rows=64, sample_tokens=512 + 1024, micro_batch_tokens=8192, graded_tokens=8192 * 2 // 3)
     return {"SFT": estimate(trained=[shape], micro_batch_tokens=4096, **common),
             "DPO": estimate(trained=[shape], micro_batch_tokens=4096, **common),
             "GRPO": estimate(trained=[shape], **rollout, **common),
-            "PPO": estimate(trained=[shape, shape], frozen=[shape], **rollout, **common)}
+            "PPO": estimate(trained=[shape, shape], frozen=[] if lora_rank else [shape], **rollout, **common)}
 
 
 if __name__ == "__main__":
@@ -180,12 +192,17 @@ if __name__ == "__main__":
         for name, shape in QWEN3.items():
             est = stage_estimates(shape, world_size=gpus, fsdp=True)
             print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
+    rank = 32
+    print(f"\nGiB per device, one GPU, LoRA rank {rank} (bf16 frozen base, float32 adapters, --grad-checkpointing):")
+    for name, shape in QWEN3.items():
+        est = stage_estimates(shape, lora_rank=rank)
+        print(f"{name:>6s}  {shape.lora_params(rank) / 1e6:6.1f}M" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
     print("\nThe largest Qwen3 each stage trains, by this estimate (GiB of device memory):")
-    for label, gpus, fsdp in (("1 GPU", 1, False), ("8 GPUs, --fsdp", 8, True)):
+    for label, gpus, fsdp, r in (("1 GPU", 1, False, 0), ("8 GPUs, --fsdp", 8, True, 0), ("1 GPU, LoRA 32", 1, False, 32)):
         for size in (24, 80, 141):
             fits = {stage: "-" for stage in ("SFT", "DPO", "GRPO", "PPO")}
             for name, shape in QWEN3.items():
-                for stage, e in stage_estimates(shape, world_size=gpus, fsdp=fsdp).items():
+                for stage, e in stage_estimates(shape, world_size=gpus, fsdp=fsdp, lora_rank=r).items():
                     if e["total"] <= 0.9 * size * GiB:  # 10% for the CUDA allocator and the runtime
                         fits[stage] = name
             print(f"{label:>15s}, {size:3d} GiB:" + "".join(f"  {s} {n:>4s}" for s, n in fits.items()))

@@ -32,10 +32,15 @@ folder's dtype (a bfloat16 Qwen3 stays bfloat16), `--dtype float32` in float32. 
 generation_config.json and the tokenizer files are copied from the first folder; merge.json records the
 recipe. The output is one model.safetensors, which transformers and vLLM read at any size.
 
-Extension point: merging a PEFT LoRA adapter into its base (`--lora ADAPTER`, once nanopost trains
-adapters) is one more tensor source with FolderTensors' methods, whose read(name, rows, buffer) returns
-W[rows] + (lora_alpha / r) * B[rows] @ A for the adapted weights and W[rows] for the rest; merge() takes
-any sources.
+A LoRA adapter merged into its base (PEFT's folder format, what a `--lora-rank` run checkpoints):
+
+    python merge.py --lora out/rl/lora8 --out out/merged/rl-lora8         # a plain model folder
+
+is one more tensor source (AdaptedTensors), whose rows are W[rows] + (lora_alpha / r) * B[rows] @ A in
+float32, cast to the base's dtype when written (a bfloat16 sum would drop every update below half a ulp of
+W). An adapter trained on an unmerged adapter (its base_model_name_or_path is an adapter folder) merges the
+whole chain. vLLM serves the result as any model; or serves the adapter itself on the base with
+--enable-lora (see the README).
 """
 import argparse
 import json
@@ -47,7 +52,7 @@ import struct
 import torch
 
 from common import UserError, resolve_model_path, run_main
-from model import _safetensors_files
+from model import _safetensors_files, adapter_chain, merged_updates
 
 # safetensors' names of the floating dtypes (the only ones an average means anything for)
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -113,6 +118,30 @@ class FolderTensors:
                     raise UserError(f"{file}: tensor {name!r} is cut short: an incomplete download or copy?")
                 done += n
         return raw.view(dtype).view(-1, *shape[1:])
+
+
+class AdaptedTensors(FolderTensors):
+    """The tensors of a LoRA adapter's base with the adapter (and those it was trained on) merged: what
+    FolderTensors reads, plus (lora_alpha / r) * B[rows] @ A, summed in float32, for the adapted weights."""
+
+    def __init__(self, adapter: str):
+        base, chain = adapter_chain(adapter)
+        if not chain:
+            raise UserError(f"--lora {adapter}: not a LoRA adapter folder (no adapter_config.json)")
+        super().__init__(base)
+        self.adapter = adapter
+        shapes = {name: torch.empty(self.shape(name), device="meta") for name in self.names()}
+        self.deltas, self.replaced = merged_updates(chain, shapes)
+        extra = sorted(set(self.replaced) - set(shapes))
+        if extra:
+            raise UserError(f"--lora {adapter}: the adapter holds {extra}, which its base {base} lacks (a reward "
+                            f"model's adapter on a language model): load it with the stages instead")
+
+    def read(self, name: str, rows: slice, buffer: torch.Tensor) -> torch.Tensor:
+        if name in self.replaced:
+            return self.replaced[name][rows]
+        chunk = super().read(name, rows, buffer)
+        return chunk.float() + self.deltas[name][rows] if name in self.deltas else chunk
 
 
 def row_chunks(shape: tuple, chunk_elements: int) -> list[slice]:
@@ -201,8 +230,8 @@ def merge(sources: list, weights: list[float], out: str, dtype: torch.dtype | No
     """Write the weighted average of the sources' tensors to out/model.safetensors, with config.json,
     generation_config.json and the tokenizer files of the first source (a folder). dtype None keeps each
     tensor's dtype in the first source. Written to out + ".tmp" and renamed into place when complete."""
-    if len(sources) < 2:
-        raise UserError(f"merge needs at least 2 folders, got {len(sources)}")
+    if len(sources) < 2 and not any(isinstance(src, AdaptedTensors) for src in sources):
+        raise UserError(f"merge needs at least 2 folders (or --lora ADAPTER), got {len(sources)}")
     if len(weights) != len(sources):
         raise UserError(f"--weights has {len(weights)} numbers for {len(sources)} folders; give one per folder")
     if os.path.isdir(out) and os.listdir(out):
@@ -253,7 +282,7 @@ def merge(sources: list, weights: list[float], out: str, dtype: torch.dtype | No
     for name in ("generation_config.json", *TOKENIZER_FILES):
         if os.path.isfile(os.path.join(first.folder, name)):
             shutil.copy2(os.path.join(first.folder, name), os.path.join(tmp, name))
-    recipe = {"folders": [src.folder for src in sources], "weights": weights,
+    recipe = {"folders": [getattr(src, "adapter", src.folder) for src in sources], "weights": weights,
               "dtype": "input" if dtype is None else str(dtype).removeprefix("torch.")}
     with open(os.path.join(tmp, "merge.json"), "w") as f:
         json.dump(recipe, f, indent=2)
@@ -274,17 +303,20 @@ def parse_weights(text: str | None, n: int) -> list[float]:
 
 def main():
     ap = argparse.ArgumentParser(description="weighted average of Hugging Face model folders of one architecture")
-    ap.add_argument("folders", nargs="+", help="model folders or run directories (their latest checkpoint)")
+    ap.add_argument("folders", nargs="*", help="model folders or run directories (their latest checkpoint)")
+    ap.add_argument("--lora", action="append", default=[], metavar="ADAPTER",
+                    help="a LoRA adapter folder (or its run directory), merged into its base: one more source")
     ap.add_argument("--out", required=True, help="the new model folder")
     ap.add_argument("--weights", help="comma-separated, one per folder (default: uniform, 1/N each)")
     ap.add_argument("--dtype", choices=("input", "float32"), default="input",
                     help="write each tensor in the first folder's dtype (default) or in float32")
     args = ap.parse_args()
-    folders = [resolve_model_path(folder) for folder in args.folders]
+    folders = [resolve_model_path(folder) for folder in args.folders + args.lora]
     weights = parse_weights(args.weights, len(folders))
     if abs(sum(weights) - 1) > 1e-6:
         print(f"note: the weights sum to {sum(weights):g}, not 1: the result is not an average")
-    merge([FolderTensors(f) for f in folders], weights, args.out, None if args.dtype == "input" else torch.float32)
+    sources = [FolderTensors(f) for f in folders[:len(args.folders)]] + [AdaptedTensors(f) for f in folders[len(args.folders):]]
+    merge(sources, weights, args.out, None if args.dtype == "input" else torch.float32)
     for folder, weight in zip(folders, weights):
         print(f"  {weight:g} x {folder}")
     print(f"-> {args.out}")

@@ -21,6 +21,7 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -233,6 +234,144 @@ class Trunk(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, config.rms_norm_eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA: a frozen base, trainable low-rank adapters (Hu et al. 2021, https://arxiv.org/abs/2106.09685)
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer W (out, in) plus a trainable low-rank update:
+
+        y = W x + (alpha / r) * B(A(dropout(x)))        A: (r, in), B: (out, r), both float32
+
+    A starts as PEFT's (kaiming_uniform_, a = sqrt(5): uniform in +-1/sqrt(in)) and B at zero, so at step 0
+    the layer IS the base layer. The names (weight, lora_A.weight, lora_B.weight) are PEFT's, so an adapter
+    file's keys map onto these one to one. `enabled = False` switches the update off (adapters_off).
+    Example: W = 0, in = 2, out = 2, r = 1, alpha = 2, A = [[1, 1]], B = [[0.5], [0]], x = [1, 3]:
+    A x = 4, B A x = [2, 0], y = (2 / 1) * [2, 0] = [4, 0]; the merged weight W + (alpha/r) B A = [[1, 1], [0, 0]]
+    gives the same y."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.weight.requires_grad_(False)
+        # built on the meta device (no draw from the global RNG), then allocated and initialized here
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device="meta", dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device="meta", dtype=torch.float32)
+        if not base.weight.is_meta:
+            self.lora_A.to_empty(device=base.weight.device)
+            self.lora_B.to_empty(device=base.weight.device)
+            self.reset_lora()
+        self.scaling = alpha / rank
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+
+    @torch.no_grad()
+    def reset_lora(self, generator=None):
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight)
+        if not self.enabled:
+            return y
+        return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+    def delta(self):
+        """The update as a full matrix, (alpha / r) * B @ A in float32: what merging adds to W."""
+        return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+
+
+def lora_init_tensors(model, seed=0) -> dict:
+    """Fresh adapter tensors for every LoRALinear of `model` ({name: float32 CPU tensor}, drawn in module
+    order from one generator seeded by `seed`): the same on every rank, whatever the model's device."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            a = torch.empty(m.lora_A.weight.shape)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
+            out[f"{name}.lora_A.weight"] = a
+            out[f"{name}.lora_B.weight"] = torch.zeros(m.lora_B.weight.shape)
+    return out
+
+
+def add_lora(model, rank: int, alpha: float | None = None, targets=LORA_TARGETS, dropout: float = 0.0):
+    """Freeze every parameter of `model` and wrap each targeted linear layer of every block in a LoRALinear
+    (in place; on the meta device too). A reward model's or critic's score head stays trainable (it is
+    new). alpha defaults to 2 * rank. Returns the model, with `model.lora` the options (for checkpoints).
+    Errors: a rank above a layer's smaller side (the update could not be low-rank); a target naming no
+    layer."""
+    targets = list(targets)
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if unknown or not targets:
+        raise UserError(f"--lora-targets {','.join(unknown) or '(none)'}: no such layer; valid names: {', '.join(LORA_TARGETS)}")
+    alpha = float(2 * rank if alpha is None else alpha)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.model.layers:
+        for parent in (block.self_attn, block.mlp):
+            for name in targets:
+                lin = getattr(parent, name, None)
+                if not isinstance(lin, nn.Linear):
+                    continue
+                if not 0 < rank <= min(lin.in_features, lin.out_features):
+                    raise UserError(f"--lora-rank {rank} does not fit layer {name} ({lin.out_features} x "
+                                    f"{lin.in_features}): the rank must be at most {min(lin.in_features, lin.out_features)}")
+                setattr(parent, name, LoRALinear(lin, rank, alpha, dropout))
+    if model.config.head == "scalar":
+        model.score.float().weight.requires_grad_(True)  # trained, so float32 like the adapters
+    model.lora = {"r": rank, "alpha": alpha, "targets": targets, "dropout": dropout}
+    return model
+
+
+def lora_layers(model):
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+@contextmanager
+def adapters_off(model):
+    """The base model, for the block's duration: every adapter of `model` switched off. A LoRA run's
+    reference policy (DPO, the GRPO KL term, PPO) is this, so no second model is ever loaded."""
+    layers = lora_layers(model)
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enabled = True
+
+
+def _fused_low_rank(linears, row_scale=None):
+    """One (A, B) pair for linear layers whose outputs are concatenated (q, k, v; gate, up), so that
+    F.linear(F.linear(x, A), B) is their low-rank updates concatenated: A stacks their A's (sum r, in) and
+    B is block-diagonal (sum out, sum r), each block alpha / r times its B (times row_scale[i] if given).
+    None when none of them is adapted. Dtype: that of the adapters (the engine's copy: the compute dtype)."""
+    if not any(isinstance(m, LoRALinear) for m in linears):
+        return None
+    blocks_a, rows, cols = [], 0, 0
+    ref = next(m for m in linears if isinstance(m, LoRALinear)).lora_A.weight
+    B = ref.new_zeros(sum(m.out_features for m in linears), sum(m.lora_A.out_features for m in linears
+                                                                    if isinstance(m, LoRALinear)))
+    for i, m in enumerate(linears):
+        if isinstance(m, LoRALinear):
+            r = m.lora_A.out_features
+            scale = m.scaling * (row_scale[i] if row_scale else 1.0)
+            B[rows:rows + m.out_features, cols:cols + r] = m.lora_B.weight * scale
+            blocks_a.append(m.lora_A.weight)
+            cols += r
+        rows += m.out_features
+    return torch.cat(blocks_a), B
+
+
+def _low_rank(y, x, pair):
+    """y + B(A(x)): a fused low-rank update (None: nothing to add)."""
+    return y if pair is None else y + F.linear(F.linear(x, pair[0]), pair[1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -455,10 +594,17 @@ class GPT(nn.Module):
                 qk_gain = torch.cat([a.q_norm.weight.expand(a.n_head, -1) * scale, a.k_norm.weight.expand(a.n_kv_head, -1)])
             else:
                 w_q = w_q * scale  # RoPE is linear: scaling q before it is scaling after it
+            # LoRA adapters stay unmerged: a bfloat16 W + (alpha/r) B A would round away every update under
+            # half a ulp of W (~0.2% of |W|), which the trainer sees; the fused low-rank pairs add them apart
+            low_rank = None
+            if lora_layers(layer):
+                low_rank = (_fused_low_rank([a.q_proj, a.k_proj, a.v_proj], None if qk_gain is not None else [scale, 1, 1]),
+                            _fused_low_rank([a.o_proj]), _fused_low_rank([mlp.gate_proj, mlp.up_proj]),
+                            _fused_low_rank([mlp.down_proj]))
             # o and down are applied as addmm(residual, y, W.T): the residual add rides in the matmul
             layers.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
                            a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
-                           torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t()))
+                           torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t(), low_rank))
         return {"layers": layers, "head": self.lm_head.weight.float() if head is None else head}
 
     def decode_step(self, tokens, kv_cache, weights):
@@ -480,8 +626,10 @@ class GPT(nn.Module):
         cos = self.rope_cos[pos][:, None].to(dtype)  # (B, 1, D): the same for every head
         sin = self.rope_signed_sin[pos][:, None].to(dtype)
         x = self.model.embed_tokens(tokens)  # (B, C)
-        for i, (ln_attn, w_qkv, qk_gain, w_o_t, ln_mlp, w_gate_up, w_down_t) in enumerate(weights["layers"]):
-            qkv = F.linear(rms_norm(x, ln_attn, eps), w_qkv).view(B, H + 2 * Hk, D)
+        for i, (ln_attn, w_qkv, qk_gain, w_o_t, ln_mlp, w_gate_up, w_down_t, low_rank) in enumerate(weights["layers"]):
+            lr_qkv, lr_o, lr_gate_up, lr_down = low_rank or (None,) * 4  # LoRA adapters, unmerged (or none)
+            h = rms_norm(x, ln_attn, eps)
+            qkv = _low_rank(F.linear(h, w_qkv), h, lr_qkv).view(B, H + 2 * Hk, D)
             qk, v = qkv[:, :H + Hk], qkv[:, H + Hk:]
             if qk_gain is not None:  # the gain differs per head: normalize, then one (H + Hk, D) multiply
                 qk = rms_norm(qk, None, eps) * qk_gain
@@ -491,9 +639,12 @@ class GPT(nn.Module):
             # which keeps the scores in float32 in bfloat16 too
             q = qk[:, :H].reshape(B, Hk, H // Hk, D)
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=1.0)
-            x = torch.addmm(x, y.reshape(B, H * D), w_o_t)
-            gate, up = F.linear(rms_norm(x, ln_mlp, eps), w_gate_up).chunk(2, dim=-1)
-            x = torch.addmm(x, F.silu(gate) * up, w_down_t)
+            y = y.reshape(B, H * D)
+            x = _low_rank(torch.addmm(x, y, w_o_t), y, lr_o)
+            h = rms_norm(x, ln_mlp, eps)
+            gate, up = _low_rank(F.linear(h, w_gate_up), h, lr_gate_up).chunk(2, dim=-1)
+            y = F.silu(gate) * up
+            x = _low_rank(torch.addmm(x, y, w_down_t), y, lr_down)
         kv_cache.length += 1
         kv_cache.next_pos = pos + 1
         return F.linear(rms_norm(x, self.model.norm.weight, eps).float(), weights["head"])
@@ -555,39 +706,79 @@ class GPT(nn.Module):
             tokenizer.save(path)
 
     @classmethod
-    def from_hf(cls, path, dtype=None, device="cpu", head=None, shard=None):
+    def from_hf(cls, path, dtype=None, device="cpu", head=None, shard=None, lora=None):
         """Load a Hugging Face folder (ours or a downloaded Qwen3 / Llama) tensor by tensor, without
         holding two copies of the weights. head="scalar" on an LM checkpoint starts a reward model or
         critic from it (the vocabulary head is dropped, the score head freshly initialized at 0).
         shard: a function that shards a model in place (common.shard_model, FSDP2). The model is then
         built on the meta device, sharded, allocated, and each rank copies only its own slice of each
-        tensor from the memory-mapped files: no rank ever holds the whole model."""
+        tensor from the memory-mapped files: no rank ever holds the whole model.
+        `path` may be a LoRA adapter folder (PEFT's format; adapter_chain): its base is loaded and every
+        adapter of the chain merged into each weight in float32, then cast to `dtype`.
+        lora: LoRA training (a dict: r, alpha, targets, dropout, seed, resume): the base frozen in `dtype`,
+        adapters (float32) on top: fresh ones (seeded), or with resume=True the adapter of `path` itself,
+        unmerged, to continue training it (the adapters below it in the chain are merged)."""
         from safetensors import safe_open
-        config = load_config(path, head)
-        files = _safetensors_files(path)
+        base, chain = adapter_chain(path)
+        own = None
+        if lora and lora.get("resume"):
+            if not chain:
+                raise UserError(f"{path}: not a LoRA adapter folder; resume it without --lora-rank")
+            chain, own = chain[:-1], read_adapter(chain[-1])
+            lora = {**lora, "r": own[0]["r"], "alpha": own[0]["lora_alpha"], "targets": own[0]["target_modules"]}
+        config = load_config(base, head)
+        files = _safetensors_files(base)
         with torch.device("meta"):
             model = cls(config)
-        if shard is not None:  # every parameter is a fresh object after these: build the optimizer later
+        if lora:
             if dtype is not None:
+                model.to(dtype)  # the frozen base in the compute dtype; the adapters float32 (add_lora)
+            add_lora(model, lora["r"], lora.get("alpha"), lora.get("targets") or LORA_TARGETS, lora.get("dropout", 0.0))
+            # the folder this adapter applies to (a plain model, or the adapter folder it was started from)
+            model.lora["base"] = own[0]["base_model_name_or_path"] if own else os.path.abspath(path)
+        if shard is not None:  # every parameter is a fresh object after these: build the optimizer later
+            if dtype is not None and not lora:
                 model.to(dtype)
             shard(model)
             model.to_empty(device=device)
         params = dict(model.named_parameters())  # a tied head appears once, as model.embed_tokens.weight
         expected = set(params) if shard is not None else set(model.state_dict().keys())
+        deltas, replaced = merged_updates(chain, params)  # float32 updates of the adapters merged below
+
+        def put(key, t):  # into the parameter, in its dtype (a LoRA model's or a sharded one's is set already)
+            t = t.to(params[key].dtype if lora or shard is not None else dtype or t.dtype)
+            if shard is not None:
+                _copy_shard(params[key], t)
+            else:
+                _set_tensor(model, key, t.to(device))
+
         loaded = set()
         for file in files:
-            with safe_open(file, framework="pt", device="cpu" if shard is not None else str(device)) as f:
+            with safe_open(file, framework="pt", device="cpu" if shard is not None or deltas else str(device)) as f:
                 for key in f.keys():
                     if key not in expected:
                         if key in ("lm_head.weight", "score.weight"):
                             continue  # the other head (e.g. an RM started from an LM checkpoint)
                         raise UserError(f"{file}: unexpected tensor {key!r} for {config.arch}")
-                    t = f.get_tensor(key)
-                    if shard is not None:
-                        _copy_shard(params[key], t)
-                    else:
-                        _set_tensor(model, key, t.to(dtype) if dtype is not None else t)
+                    t = replaced.get(key, f.get_tensor(key))
+                    if key in deltas:  # merge in float32, then cast: a bfloat16 sum would drop small updates
+                        t = t.float() + deltas[key]
+                    put(key, t)
                     loaded.add(key)
+        for key in set(replaced) - loaded:  # a score head an adapter holds, on an LM checkpoint
+            if key in expected:
+                put(key, replaced[key])
+                loaded.add(key)
+        if lora:  # the adapters: the checkpoint's own, or fresh (the same on every rank)
+            tensors = own[1] if own else lora_init_tensors(model, lora.get("seed", 0))
+            for key, t in tensors.items():
+                if key not in expected:
+                    raise UserError(f"{path}: adapter tensor {key!r} has no layer in the model {base}")
+                if tuple(t.shape) != tuple(params[key].shape):
+                    raise UserError(f"{path}: adapter tensor {key} is {tuple(t.shape)}, the model {base} needs "
+                                    f"{tuple(params[key].shape)}: the adapter was trained on another base")
+                put(key, t)
+                loaded.add(key)
         if config.head == "lm" and config.tie_word_embeddings:
             if shard is None:
                 model.lm_head.weight = model.model.embed_tokens.weight
@@ -599,12 +790,133 @@ class GPT(nn.Module):
                     params["score.weight"].zero_()
             else:
                 ref = model.model.embed_tokens.weight
-                _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=ref.dtype, device=ref.device))
+                _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=torch.float32 if lora else
+                                                               ref.dtype, device=ref.device))
             missing = set()
         if missing:
             raise UserError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
         model._init_rope(device)
         return model if shard is not None else model.to(device)  # (.to would replace FSDP's sharded parameters)
+
+    def save_adapter(self, path, tokenizer=None):
+        """Write this LoRA model's adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors:
+        what peft.PeftModel.from_pretrained and vLLM's --enable-lora load) plus the tokenizer files; the
+        frozen base is not written: adapter_config.json names it (base_model_name_or_path). Keys are PEFT's:
+        base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight; a reward model's or critic's score
+        head is saved whole (PEFT's modules_to_save). Under FSDP2 every rank calls it (rank 0 writes)."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        tensors = {}
+        for name, p in self.named_parameters():
+            if "lora_" in name or (name == "score.weight" and self.config.head == "scalar"):
+                t = p.detach()
+                t = t.full_tensor() if hasattr(t, "full_tensor") else t
+                tensors[_PEFT_PREFIX + name] = t.float().cpu().contiguous()
+        if not writer:
+            return
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        o = self.lora
+        cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if self.config.head == "lm" else "SEQ_CLS",
+               "base_model_name_or_path": o["base"], "r": o["r"], "lora_alpha": o["alpha"],
+               "lora_dropout": o["dropout"], "target_modules": list(o["targets"]), "bias": "none",
+               "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
+               "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
+               "layers_pattern": None, "modules_to_save": ["score"] if self.config.head == "scalar" else None,
+               "revision": None}
+        with open(os.path.join(path, ADAPTER_CONFIG), "w") as f:
+            json.dump(cfg, f, indent=2)
+        if tokenizer is not None:
+            tokenizer.save(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# LoRA adapter folders in PEFT's format
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."  # PeftModel -> its base (the *ForCausalLM) -> our names
+
+
+def is_adapter(path) -> bool:
+    """An adapter folder: adapter_config.json and no config.json (a folder with both is a model)."""
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, "config.json"))
+
+
+def read_adapter(path):
+    """(adapter_config.json as a dict, {our tensor name: float32 tensor}) of a PEFT LoRA folder. What
+    PEFT can write and we cannot apply (DoRA, per-layer ranks, biases, transposed weights) is refused;
+    rsLoRA's scaling alpha / sqrt(r) is applied by folding it into lora_alpha (alpha' = alpha sqrt(r))."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type") != "LORA":
+        raise UserError(f"{path}: peft_type {cfg.get('peft_type')!r}; only LORA adapters are supported")
+    unsupported = [k for k in ("use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern", "layers_to_transform")
+                   if cfg.get(k)] + (["bias"] if cfg.get("bias", "none") != "none" else [])
+    if unsupported:
+        raise UserError(f"{path}: adapter options {unsupported} are not supported (plain LoRA only)")
+    if cfg.get("use_rslora"):
+        cfg = {**cfg, "lora_alpha": cfg["lora_alpha"] * math.sqrt(cfg["r"]), "use_rslora": False}
+    targets = cfg.get("target_modules")
+    if isinstance(targets, str):  # PEFT's "all-linear", or a regex
+        targets = list(LORA_TARGETS) if targets == "all-linear" else [t for t in LORA_TARGETS if t in targets]
+    cfg["target_modules"] = targets
+    weights = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights):
+        raise UserError(f"{path}: no {ADAPTER_WEIGHTS}")
+    tensors = {}
+    for key, t in load_file(weights).items():
+        name = key.removeprefix(_PEFT_PREFIX).replace(".default.", ".").replace(".modules_to_save.", ".")
+        tensors[name] = t.float()
+    return cfg, tensors
+
+
+def adapter_chain(path):
+    """(the plain model folder at the bottom, [adapter folders from the base up]) of a model or adapter
+    folder: an adapter names its base (base_model_name_or_path), which may itself be an adapter (an RL
+    adapter trained on an unmerged SFT adapter). A plain model folder: (path, [])."""
+    chain = []
+    while is_adapter(path):
+        chain.insert(0, path)
+        with open(os.path.join(path, ADAPTER_CONFIG)) as f:
+            base = json.load(f).get("base_model_name_or_path")
+        found = next((c for c in ([os.path.join(path, base), base] if base else []) if os.path.isdir(c)), None)
+        if found is None:  # e.g. a hub name ("Qwen/Qwen3-8B") of an adapter trained elsewhere
+            raise UserError(f"{path}: its base_model_name_or_path {base!r} is not a folder here; set it (in "
+                            f"{ADAPTER_CONFIG}) to the local folder of the model the adapter was trained on")
+        path = found
+        if len(chain) > 16:
+            raise UserError(f"{chain[0]}: adapters chained more than 16 deep (a cycle?)")
+    return path, chain
+
+
+def merged_updates(chain, params):
+    """The float32 updates that merging the adapters of `chain` adds to each base weight, summed
+    ({weight name: delta}), and the tensors they replace whole ({name: tensor}: a score head). Each
+    adapter's shapes are checked against the model's (params: its parameters by name)."""
+    deltas, replaced = {}, {}
+    for folder in chain:
+        cfg, tensors = read_adapter(folder)
+        scaling = cfg["lora_alpha"] / cfg["r"]
+        for name, t in tensors.items():
+            if ".lora_A." not in name:
+                if ".lora_B." not in name:
+                    replaced[name] = t  # modules_to_save: the score head
+                continue
+            layer = name.split(".lora_A.")[0]
+            b = tensors.get(f"{layer}.lora_B.weight")
+            key = f"{layer}.weight"
+            if b is None or key not in params:
+                raise UserError(f"{folder}: adapter tensor {name} has no {'lora_B' if b is None else 'layer'} "
+                                f"in the model")
+            want = tuple(params[key].shape)
+            if (b.size(0), t.size(1)) != want or b.size(1) != t.size(0):
+                raise UserError(f"{folder}: adapter of {layer} is {b.size(0)} x {t.size(1)} (B {tuple(b.shape)}, "
+                                f"A {tuple(t.shape)}), the base has {want[0]} x {want[1]}: the adapter was "
+                                f"trained on another base")
+            deltas[key] = deltas.get(key, 0) + scaling * (b @ t)
+    return deltas, replaced
 
 
 def _copy_shard(param, full):
@@ -615,7 +927,9 @@ def _copy_shard(param, full):
 
 
 def load_config(path, head=None) -> GPTConfig:
-    """The GPTConfig of a Hugging Face folder (its config.json), without loading any weight."""
+    """The GPTConfig of a Hugging Face folder (its config.json; an adapter folder: its base's), without
+    loading any weight."""
+    path = adapter_chain(path)[0]
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise UserError(f"{path}: no config.json; expected a Hugging Face model folder (config.json + model.safetensors)")
@@ -629,7 +943,7 @@ def load_config(path, head=None) -> GPTConfig:
 def load_lm_head(path, device="cpu"):
     """The untied lm_head.weight of the LM checkpoint at `path`, read alone (float32)."""
     from safetensors import safe_open
-    for file in _safetensors_files(path):
+    for file in _safetensors_files(adapter_chain(path)[0]):  # adapters never touch the head
         with safe_open(file, framework="pt", device=str(device)) as f:
             if "lm_head.weight" in f.keys():
                 return f.get_tensor("lm_head.weight").float()
@@ -649,7 +963,8 @@ def positions_from_doc_ids(doc_ids):
 def _set_tensor(model, key, tensor):
     mod_name, _, attr = key.rpartition(".")
     mod = model.get_submodule(mod_name)
-    setattr(mod, attr, nn.Parameter(tensor, requires_grad=tensor.is_floating_point()))
+    trainable = getattr(mod, attr).requires_grad and tensor.is_floating_point()  # a frozen LoRA base stays frozen
+    setattr(mod, attr, nn.Parameter(tensor, requires_grad=trainable))
 
 
 def _safetensors_files(path):

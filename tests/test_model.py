@@ -1,5 +1,6 @@
 """The GPT: packing isolation, the KV cache, log-probs, the scalar head, and equality with transformers."""
 import json
+import math
 import os
 
 import pytest
@@ -93,12 +94,18 @@ def test_decode_step_equals_the_cached_forward(qk_norm):
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=0)
 
 
-def reference_logprobs(logits, y, temperature=1.0, top_k=None):
-    """log softmax of the full (B, T, V) logits, written from the definition (not model.process_logits)."""
+def reference_logprobs(logits, y, temperature=1.0, top_k=None, top_p=None):
+    """log softmax of the full (B, T, V) logits, written from the definition (not model.process_logits):
+    top-k keeps the k largest; top-p keeps, largest first, each token whose larger tokens hold less than p."""
     z = logits.float() / temperature
     if top_k is not None:
         kth = z.sort(-1, descending=True).values[..., top_k - 1:top_k]
         z = z.masked_fill(z < kth, float("-inf"))
+    if top_p is not None:
+        p_sorted, order = torch.softmax(z, -1).sort(-1, descending=True)
+        keep_sorted = (p_sorted.cumsum(-1) - p_sorted) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        z = z.masked_fill(~keep, float("-inf"))
     logp = torch.log_softmax(z, -1)
     lp = logp.gather(-1, y.clamp(min=0)[..., None]).squeeze(-1).masked_fill(y < 0, 0)
     p = logp.exp()
@@ -106,20 +113,22 @@ def reference_logprobs(logits, y, temperature=1.0, top_k=None):
     return lp, entropy
 
 
-@pytest.mark.parametrize("temperature, top_k", [(1.0, None), (0.7, 5)])
-def test_logprobs_and_entropy_in_chunks_match_the_full_softmax_and_gradients(temperature, top_k):
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, 5, None), (1.0, None, 0.8)])
+def test_logprobs_and_entropy_in_chunks_match_the_full_softmax_and_gradients(temperature, top_k, top_p):
     m = tiny().train()
     x = torch.randint(0, 97, (2, 30))
     y = torch.randint(0, 97, (2, 30))
     y[1, 3] = y[0, :4] = -100
     # chunks of 7 positions: uneven on purpose
-    lp, ent = m.head_logprobs(m.hidden_states(x), y, temperature=temperature, top_k=top_k, with_entropy=True,
-                              chunk_elements=97 * 7)
-    ref_lp, ref_ent = reference_logprobs(m(x), y, temperature, top_k)
+    lp, ent = m.head_logprobs(m.hidden_states(x), y, temperature=temperature, top_k=top_k, top_p=top_p,
+                              with_entropy=True, chunk_elements=97 * 7)
+    ref_lp, ref_ent = reference_logprobs(m(x), y, temperature, top_k, top_p)
+    if top_k or top_p:  # the truncation really cut tokens (-inf logits), where a naive p log p is 0 x -inf = NaN
+        assert torch.isinf(ref_lp).any()
     assert torch.isfinite(ent).all() and torch.all(lp[0, :4] == 0) and torch.all(ent[0, :4] == 0)
     torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
-    torch.testing.assert_close(m(x, y, temperature=temperature, top_k=top_k), lp)  # forward = the same path
+    torch.testing.assert_close(m(x, y, temperature=temperature, top_k=top_k, top_p=top_p), lp)  # forward = the same path
     w = m.model.layers[0].mlp.up_proj.weight
     for ours, ref in ((lp, ref_lp), (ent, ref_ent)):
         g1 = torch.autograd.grad(ours.sum(), w, retain_graph=True)[0]
@@ -129,7 +138,11 @@ def test_logprobs_and_entropy_in_chunks_match_the_full_softmax_and_gradients(tem
 
 def test_process_logits_top_k_top_p_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    assert torch.isinf(process_logits(logits, top_k=2)[0, 2:]).all()
+    # top-k keeps exactly k tokens, the k largest (a `<=` for `<` keeps k - 1), and renormalizes over them
+    for k, want in ((1, [True, False, False, False]), (2, [True, True, False, False]), (3, [True, True, True, False])):
+        assert (~torch.isinf(process_logits(logits, top_k=k))).tolist() == [want]
+    lp = logprobs_from_logits(logits, torch.tensor([1]), top_k=2)
+    assert abs(lp.item() - math.log(0.3 / 0.8)) < 1e-6
     kept = ~torch.isinf(process_logits(logits, top_p=0.7))
     assert kept.tolist() == [[True, True, False, False]]    # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
     lp = logprobs_from_logits(logits, torch.tensor([[1]]).expand(1, 1).reshape(1), top_p=0.7)

@@ -1,0 +1,315 @@
+"""LoRA (model.LoRALinear): the adapter's arithmetic against a hand-written W + (alpha/r) B A, step 0 equal to
+the base, the reference as "adapters off", folders PEFT loads (and PEFT's folders loaded here), the engine
+sampling what the trainer scores in bfloat16, merge.py --lora, the bad inputs, and 2 ranks equal to 1."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from common import UserError, autocast, load_model, lora_options
+from engine import Engine
+from model import GPT, GPTConfig, LoRALinear, adapters_off
+
+torch.set_num_threads(1)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(vocab_size, head="lm"):
+    return GPTConfig(vocab_size=vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                     intermediate_size=96, max_seq_len=256, head=head)
+
+
+@pytest.fixture(scope="module")
+def base_dir(tok, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("base"))
+    torch.manual_seed(0)
+    GPT(tiny_config(tok.vocab_size)).save_hf(path, tok)
+    return path
+
+
+def options(rank=4, alpha=8.0, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", resume=False):
+    class A:
+        lora_rank, lora_alpha, lora_dropout, lora_targets, seed = rank, alpha, 0.0, targets, 0
+    return lora_options(A, resume=resume)
+
+
+def randomize_adapters(model, std=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * std)
+
+
+def test_merged_equals_hand_written_update_and_step0_is_the_base():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 5, bias=False)
+    layer = LoRALinear(lin, rank=2, alpha=3.0)
+    x = torch.randn(4, 6)
+    assert torch.equal(layer(x), x @ lin.weight.T)  # B = 0 at the start: the base layer exactly
+    bound = 1 / math.sqrt(6)  # PEFT's init of A: kaiming_uniform_(a=sqrt(5)) is uniform in +-1/sqrt(in)
+    assert layer.lora_A.weight.abs().max() <= bound and layer.lora_A.weight.abs().max() > bound / 2
+    with torch.no_grad():
+        layer.lora_B.weight.copy_(torch.randn(5, 2))
+    A, B = layer.lora_A.weight.detach(), layer.lora_B.weight.detach()
+    merged = lin.weight.detach() + (3.0 / 2) * B @ A  # written out here, not taken from the code
+    torch.testing.assert_close(layer(x), x @ merged.T)
+    torch.testing.assert_close(layer.delta(), (3.0 / 2) * B @ A)
+    # the worked example of the docstring
+    w = torch.nn.Linear(2, 2, bias=False)
+    ex = LoRALinear(w, rank=1, alpha=2.0)
+    with torch.no_grad():
+        w.weight.zero_()
+        ex.lora_A.weight.copy_(torch.tensor([[1.0, 1.0]]))
+        ex.lora_B.weight.copy_(torch.tensor([[0.5], [0.0]]))
+    assert ex(torch.tensor([1.0, 3.0])).tolist() == [4.0, 0.0]
+
+
+def test_model_step0_adapters_off_and_trainable_set(tok, base_dir):
+    base = load_model(base_dir)
+    model = load_model(base_dir, lora=options())
+    x = torch.randint(0, tok.vocab_size, (2, 12))
+    with torch.no_grad():
+        ref = base(x)
+        assert torch.equal(model(x), ref)  # step 0: the base
+        randomize_adapters(model)
+        assert (model(x) - ref).abs().max() > 1e-3
+        with adapters_off(model):
+            assert torch.equal(model(x), ref)  # the reference for free
+        assert (model(x) - ref).abs().max() > 1e-3  # and back on
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * 7 * 2  # 7 layers x (A, B) x 2 blocks
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # CPU: the compute dtype is float32
+
+
+def test_peft_loads_ours_and_we_load_peft(tok, base_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    transformers.logging.set_verbosity_error()
+    model = load_model(base_dir, lora=options(rank=4, alpha=8.0, targets="q_proj,v_proj,down_proj"))
+    randomize_adapters(model)
+    out = str(tmp_path / "ours")
+    model.save_adapter(out, tok)
+    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
+    assert cfg["base_model_name_or_path"] == os.path.abspath(base_dir)
+    from safetensors.torch import load_file
+    keys = set(load_file(os.path.join(out, "adapter_model.safetensors")))
+    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in keys and len(keys) == 2 * 3 * 2
+    x = torch.randint(0, tok.vocab_size, (2, 10))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(hf, out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x).logits, model(x), atol=1e-5, rtol=1e-5)
+        # PEFT's own: made by peft on the transformers model, loaded here merged (--init) and unmerged (resume)
+        hf2 = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+        made = peft.get_peft_model(hf2, peft.LoraConfig(r=2, lora_alpha=5, target_modules=["k_proj", "up_proj"],
+                                                        task_type="CAUSAL_LM"))
+        for n, p in made.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn_like(p) * 0.05)
+        theirs = str(tmp_path / "theirs")
+        made.save_pretrained(theirs)
+        want = made(x).logits
+        for resume in (False, True):
+            ours = load_model(theirs, lora=options(resume=True)) if resume else load_model(theirs)
+            torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_equals_trainer_in_bfloat16_on_a_small_update(tok, tmp_path):
+    """An update whose median element is 2^-9 of its weight: a bfloat16 W + (alpha/r) B A rounds most of it
+    away (half a ulp is 2^-9 to 2^-8 of |W|), but the trainer, applying the adapters unmerged, sees it. The
+    engine applies them unmerged too: its log-probs match the trainer's to bfloat16 noise, more closely than
+    those of a bfloat16 merged copy. (Weights drawn wide, std 0.15, so the logits are decisive.)"""
+    torch.manual_seed(0)
+    m0 = GPT(tiny_config(tok.vocab_size))
+    with torch.no_grad():
+        for p in m0.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    m0.save_hf(str(tmp_path / "wide"), tok)
+    model = GPT.from_hf(str(tmp_path / "wide"), dtype=torch.bfloat16, lora=options(rank=8, alpha=16.0))
+    merged = GPT.from_hf(str(tmp_path / "wide"), dtype=torch.bfloat16)
+    g, lost = torch.Generator().manual_seed(3), []
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g))
+                w = m.weight.float()
+                m.lora_B.weight.mul_(2.0 ** -9 / float((m.delta().abs() / w.abs()).flatten().median()))
+                update = m.lora_B.weight.float() @ m.lora_A.weight.float() * m.scaling  # written out here
+                merged.get_submodule(name).weight.copy_((w + update).bfloat16())
+                lost.append(float(((w + update).bfloat16() == m.weight).float().mean()))
+    assert sum(lost) / len(lost) > 0.5  # merged in bfloat16, most elements of the update vanish
+    prompts = [tok.render_for_completion([{"role": "user", "content": q}]) for q in ("What is 3 + 4?", "Hi")]
+    outs = Engine(model, tok, dtype=torch.bfloat16).generate(prompts, num_samples=2, max_new_tokens=12, seed=0)
+    engine_gap, merged_gap, effect = [], [], []
+    for i, o in enumerate(outs):
+        p = prompts[i // 2]
+        ids = torch.tensor([p + o.tokens])
+        tgt = torch.full_like(ids, -100)
+        tgt[0, len(p) - 1:-1] = ids[0, len(p):]
+        with torch.no_grad(), autocast("cpu", torch.bfloat16):
+            lp = model(ids, tgt)[0, len(p) - 1:-1]
+            with adapters_off(model):
+                effect.append((lp - model(ids, tgt)[0, len(p) - 1:-1]).abs())
+            merged_gap.append((lp - merged(ids, tgt)[0, len(p) - 1:-1]).abs())
+        engine_gap.append((lp - torch.tensor(o.logprobs)).abs())
+    engine_gap, merged_gap, effect = (torch.cat(x).mean() for x in (engine_gap, merged_gap, effect))
+    assert engine_gap < 0.7 * merged_gap and engine_gap < effect
+
+
+def test_bad_inputs(tok, base_dir, tmp_path):
+    with pytest.raises(UserError, match=r"--lora-rank 100 does not fit layer q_proj \(64 x 64\)"):
+        load_model(base_dir, lora=options(rank=100))
+    with pytest.raises(UserError, match="valid names: q_proj, k_proj"):
+        load_model(base_dir, lora=options(targets="qkv"))
+    # an adapter trained on another base: refused, both shapes named
+    other = str(tmp_path / "other")
+    torch.manual_seed(0)
+    cfg = tiny_config(tok.vocab_size)
+    cfg.intermediate_size = 128
+    GPT(cfg).save_hf(other, tok)
+    m = load_model(other, lora=options(targets="gate_proj"))
+    m.lora["base"] = base_dir
+    m.save_adapter(str(tmp_path / "ad"), tok)
+    with pytest.raises(UserError, match=r"128 x 64 .* the base has 96 x 64"):
+        load_model(str(tmp_path / "ad"))
+    with pytest.raises(UserError, match=r"is \(128, 4\), the model .* needs \(96, 4\)"):
+        load_model(str(tmp_path / "ad"), lora=options(resume=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# The stages: checkpoints are adapters, resume, a chain SFT adapter -> RL adapter, merge.py, 2 ranks = 1
+
+SFT = ["--num-train", "96", "--num-val", "8", "--eval-problems", "0", "--batch-size", "8", "--device-batch-size", "4",
+       "--lora-rank", "4", "--lr", "3e-2"]
+
+
+def run(script, args, home, nproc=1):
+    cmd = [sys.executable, os.path.join(REPO, script), *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         os.path.join(REPO, script), *args]
+    p = subprocess.run(cmd, env={**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def losses(home, stage, run_name="default", key="loss"):
+    with open(os.path.join(home, stage, run_name, "metrics.jsonl")) as f:
+        return {r["step"]: r[key] for r in map(json.loads, f) if key in r}
+
+
+def adapter_tensors(ckpt):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(ckpt, "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def sft_home(tok, tmp_path_factory):
+    """A 4-step LoRA SFT run on a 1-layer model, checkpoints at steps 2 and 4."""
+    home = tmp_path_factory.mktemp("home")
+    torch.manual_seed(0)
+    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)).save_hf(str(home / "base"), tok)
+    run("chat_sft.py", ["--init", str(home / "base"), "--steps", "4", "--save-every", "2", *SFT], home)
+    return home
+
+
+def test_sft_checkpoint_is_an_adapter_and_resumes(sft_home, tmp_path):
+    ckpt = os.path.join(sft_home, "sft", "default", "checkpoints", "step_000004")
+    assert not os.path.exists(os.path.join(ckpt, "config.json"))  # the base is not copied
+    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
+    n_adapter = sum(t.numel() for t in adapter_tensors(ckpt).values())
+    assert n_adapter == 2 * 4 * (32 + 32) + 2 * 4 * (32 + 16) + 3 * 4 * (32 + 64)  # q,o; k,v; gate,up,down
+    opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False)
+    assert sum(s["exp_avg"].numel() for s in opt["state"].values()) == n_adapter  # adapter-only optimizer state
+    # resume from step 2: steps 3 and 4 as in the uninterrupted run
+    import shutil
+    home = tmp_path / "h"
+    shutil.copytree(os.path.join(sft_home, "sft"), home / "sft")
+    shutil.rmtree(home / "sft" / "default" / "checkpoints" / "step_000004")
+    run("chat_sft.py", ["--init", str(sft_home / "base"), "--steps", "4", "--save-every", "2", "--resume", *SFT], home)
+    want, got = losses(sft_home, "sft"), losses(home, "sft")
+    assert [got[s] for s in (3, 4)] == [want[s] for s in (3, 4)]
+    resumed = adapter_tensors(home / "sft" / "default" / "checkpoints" / "step_000004")
+    assert all(torch.equal(resumed[k], v) for k, v in adapter_tensors(ckpt).items())
+
+
+def test_rl_on_an_sft_adapter_then_merge(sft_home, tok, tmp_path):
+    """RL with LoRA and a KL term from the unmerged SFT adapter: the SFT adapter is merged into the frozen
+    base (so "adapters off" is the SFT model), the RL checkpoint names the SFT adapter as its base, and
+    merge.py --lora writes the plain model base + SFT update + RL update (checked against the sum written
+    out here from the safetensors files)."""
+    sft = os.path.join(sft_home, "sft", "default", "checkpoints", "step_000004")
+    out = run("chat_rl.py", ["--init", sft, "--num-prompts", "16", "--steps", "2", "--prompts-per-step", "2",
+                             "--group-size", "4", "--max-new-tokens", "12", "--eval-problems", "0", "--save-every", "2",
+                             "--overlong-buffer", "12", "--kl-beta", "0.5", "--lora-rank", "2", "--lr", "3e-2"], tmp_path)
+    assert "trainable" in out
+    kl = losses(tmp_path, "rl", key="kl")
+    assert all(math.isfinite(v) for v in kl.values()) and max(kl.values()) > 0  # the KL term is live
+    x = torch.randint(0, tok.vocab_size, (2, 9))
+    policy = load_model(sft, lora=options(rank=2))  # as chat_rl.py loads it
+    randomize_adapters(policy)
+    with torch.no_grad(), adapters_off(policy):  # the reference is the SFT model, not the pre-SFT base
+        torch.testing.assert_close(policy(x), load_model(sft)(x))
+        assert (policy(x) - load_model(str(sft_home / "base"))(x)).abs().max() > 1e-3
+    rl = os.path.join(tmp_path, "rl", "default", "checkpoints", "step_000002")
+    assert json.load(open(os.path.join(rl, "adapter_config.json")))["base_model_name_or_path"] == sft
+    merged = str(tmp_path / "merged")
+    subprocess.run([sys.executable, os.path.join(REPO, "merge.py"), "--lora", rl, "--out", merged], check=True,
+                   capture_output=True)
+    from safetensors.torch import load_file
+    w = load_file(os.path.join(sft_home, "base", "model.safetensors"))
+    for ad, r, alpha in ((sft, 4, 8.0), (rl, 2, 4.0)):  # the default alpha: 2 x rank
+        t = adapter_tensors(ad)
+        for k in [k for k in t if ".lora_A." in k]:
+            name = k.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            w[name] = w[name] + alpha / r * t[k.replace("lora_A", "lora_B")] @ t[k]
+    got = load_file(os.path.join(merged, "model.safetensors"))
+    assert set(got) == set(w) and all(torch.allclose(got[k], w[k], atol=1e-6) for k in w)
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(merged)(x), load_model(rl)(x))  # --init ADAPTER: merged the same way
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_ranks_equal_one(sft_home, tmp_path, fsdp):
+    run("chat_sft.py", ["--init", str(sft_home / "base"), "--steps", "2", "--save-every", "2", *SFT]
+        + ["--fsdp"] * fsdp, tmp_path, nproc=2)
+    one = losses(sft_home, "sft")
+    two = losses(tmp_path, "sft")
+    assert all(abs(two[s] - one[s]) < 1e-5 for s in (1, 2))
+    ckpt = "checkpoints/step_000002"
+    a, b = adapter_tensors(os.path.join(sft_home, "sft", "default", ckpt)), adapter_tensors(tmp_path / "sft" / "default" / ckpt)
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_reward_model_adapter_loads_in_peft(tok, tmp_path):
+    """A reward model's adapter (task_type SEQ_CLS, the score head whole as modules_to_save) on the
+    transformers sequence classifier: equal scores."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    rm = GPT(tiny_config(tok.vocab_size, head="scalar"))
+    with torch.no_grad():
+        rm.score.weight.normal_(0, 0.5)
+    rm.save_hf(str(tmp_path / "rm"), tok)
+    model = load_model(str(tmp_path / "rm"), head="scalar", lora=options(rank=4))
+    randomize_adapters(model)
+    with torch.no_grad():
+        model.score.weight.add_(0.1)  # the score head trains too
+    model.save_adapter(str(tmp_path / "ad"), tok)
+    assert json.load(open(tmp_path / "ad" / "adapter_config.json"))["task_type"] == "SEQ_CLS"
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"), dtype=torch.float32)
+    pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
+    x = torch.randint(0, tok.vocab_size, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(pm(x).logits[0, 0], model(x)[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(load_model(str(tmp_path / "ad"), head="scalar")(x), model(x), atol=1e-5, rtol=1e-5)
