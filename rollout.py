@@ -60,7 +60,10 @@ class Rollouts:
                 "truncated": float(sum(c.finish_reason == "length" for c in self.completions)),
                 "tool_answers": float(sum(c.tool_calls > 0 for c in self.completions)),
                 "tool_calls": float(sum(c.tool_calls for c in self.completions)),
+                "tool_errors": float(sum(c.tool_errors for c in self.completions)),
                 "correct": float((self.rewards >= 1.0).sum()), "reward_sum": float(self.rewards.sum()),
+                "correct_with_tool": float(sum(float(r) >= 1.0 and c.tool_calls > 0
+                                               for r, c in zip(self.rewards, self.completions))),
                 **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()},
                 **{f"count/{k}": float(v) for k, v in self.counts.items()}}
 
@@ -122,6 +125,42 @@ def tis_weights(trainer_logp, engine_logp, cap):
     (-0.05 / -0.08), (-3.50 / -2.60), (-0.90 / -1.10) give ratios 0.9802, 1.0513, 0.9704, 2.4596, 0.8187
     (product 2.0138); capped at 2.0 the fourth is 2.0 and the product 1.6375."""
     return torch.exp(trainer_logp - engine_logp).clamp(max=cap).detach()
+
+
+CORRECTIONS = ("token-tis", "token-mask", "sequence-tis", "sequence-mask", "none")
+
+
+def sampler_correction(trainer_logp, engine_logp, mask, kind="token-tis", cap=2.0, eps=0.1):
+    """Per-token weights (B, T), detached, that correct for answers sampled by another distribution than
+    the trainer's: other numerics (the engine's kernels and precision), or older weights (off-policy).
+    The trainer's log-probs are the snapshot taken before the update; only tokens in `mask` count.
+      token-tis      min(p_trainer / p_engine, cap) per token (tis_weights)
+      token-mask     1, or 0 for a token whose probabilities differ by more than eps, |p_trainer - p_engine|
+                     > eps (prime-rl's rule, eps 0.1): a disagreement is dropped, not reweighted
+      sequence-tis   one weight per answer, min(prod over its tokens of p_trainer / p_engine, cap)
+      sequence-mask  1, or 0 for a whole answer whose sequence weight lies outside [1 / cap, cap]
+      none           1 everywhere
+    Example, one answer with log-probs engine / trainer (-0.50 / -0.52), (-1.20 / -1.15), (-0.05 / -0.08),
+    (-3.50 / -2.60), (-0.90 / -1.10): the sequence weight is exp(0.70) = 2.0138 (sequence-tis at cap 2:
+    2.0; sequence-mask: 0, the answer dropped); the probability gaps are 0.012, 0.015, 0.028, 0.044, 0.074,
+    so token-mask at eps 0.04 drops the 4th and 5th tokens, and at eps 0.1 none."""
+    mask = mask.to(trainer_logp.dtype)
+    log_ratio = (trainer_logp - engine_logp) * mask
+    if kind == "token-tis":
+        weights = log_ratio.exp().clamp(max=cap)
+    elif kind == "token-mask":
+        weights = ((trainer_logp.exp() - engine_logp.exp()).abs() <= eps).to(mask.dtype)
+    elif kind in ("sequence-tis", "sequence-mask"):
+        seq = log_ratio.sum(-1, keepdim=True).exp()
+        if kind == "sequence-tis":
+            weights = seq.clamp(max=cap).expand_as(mask)
+        else:
+            weights = ((seq >= 1 / cap) & (seq <= cap)).to(mask.dtype).expand_as(mask)
+    elif kind == "none":
+        weights = torch.ones_like(mask)
+    else:
+        raise ValueError(f"unknown correction {kind!r}; one of {CORRECTIONS}")
+    return (weights * mask).detach()
 
 
 def kl_penalty(logp, ref_logp, kind="k3"):

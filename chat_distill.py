@@ -1,0 +1,363 @@
+"""
+On-policy distillation: the student writes, the teacher grades every token it wrote.
+
+RL grades a whole answer with one number; supervised distillation shows the student the teacher's own
+answers, which the student will never write itself once it is on its own. On-policy distillation takes
+the good half of each: the student samples its answers (on-policy, as in RL), and a teacher that shares
+the tokenizer scores each sampled token with its log-prob. The per-token reward is the reverse KL,
+log p_teacher(y_t) - log p_student(y_t): a token the teacher would also have written costs nothing, a
+token the teacher finds unlikely is pushed down, at the place where the mistake was made. It is trained
+with chat_rl.py's clipped policy-gradient update (policy_loss / update_policy) and no value function.
+
+    GKD           Agarwal et al. 2024 (on-policy samples, a divergence to the teacher)
+                                                        https://arxiv.org/abs/2306.13649
+    MiniLLM       Gu et al. 2024 (reverse KL, policy gradient)  https://arxiv.org/abs/2306.08543
+    Qwen3         Qwen Team 2025 (strong-to-weak distillation of the small models: off-policy, then on-policy)
+                                                        https://arxiv.org/abs/2505.09388
+    Thinking Machines Lab 2025, "On-Policy Distillation": the per-token reverse KL as the advantage of an
+                  importance-sampled policy-gradient update, discount 0.
+    Sequence-level KD, Kim & Rush 2016 (--mode kd: NLL on the teacher's samples)
+                                                        https://arxiv.org/abs/1606.07947
+
+One step: 1. the student samples --samples-per-prompt answers to each prompt (rollout.sample; the
+verifier's grade is only logged); 2. the snapshot of the student's log-probs, the frozen teacher's
+log-probs of the same tokens, and the advantage of each token (reverse_kl_advantages); 3. the update:
+chat_rl.update_policy with per-token advantages; 4. log. With --mode kd the teacher samples instead, and
+the student maximizes the likelihood of the teacher's tokens (kd_update): supervised, off-policy, for
+contrast. Left out: the full-vocabulary KL at each position (GKD's token-level divergences; it needs the
+teacher's logits, V floats per token, where a sampled token's log-prob is one), and a KL to the start.
+
+    python chat_distill.py                                         # 1 CPU: the SFT run learns from the RL run
+    python chat_distill.py --tools                                 # the calculator offered, as the RL run had it
+    torchrun --standalone --nproc_per_node=2 chat_distill.py       # 2 CPU ranks
+    python chat_distill.py --init /models/small-sft --teacher /models/big --data rl.jsonl --device cuda  # 1 GPU
+    torchrun --standalone --nproc_per_node=8 chat_distill.py --init ... --teacher ... --data rl.jsonl  # N GPUs
+
+Data: prompts only, as chat_rl.py reads them (--data FILE.jsonl, or the embedded world's problems); the
+ground truth, when there is one, is only used to log accuracy and held-out pass@k.
+Writes $NANOPOST_HOME/distill/<run>/.
+"""
+import argparse
+import os
+import time
+
+import torch
+
+from chat_rl import parser as rl_parser
+from chat_rl import update_policy
+from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, 
+                    compute_dtype, idle_pass, init_dist, learning_rate, load_model, load_training_state, lr_at,
+                    make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0,
+                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+from rollout import CORRECTIONS, batch_logprobs, sample, sampler_correction, training_batch
+
+parser = argparse.ArgumentParser(description="on-policy distillation from a teacher sharing the tokenizer")
+parser.add_argument("--init", default=None, help="the student: model folder or run dir (default: the SFT run)")
+parser.add_argument("--teacher", default=None, help="the teacher: model folder or run dir (default: the RL run)")
+parser.add_argument("--mode", choices=["on-policy", "kd"], default="on-policy",
+                    help="the student samples and the teacher grades each token; or (kd) the teacher samples and "
+                    "the student learns its answers by NLL")
+parser.add_argument("--run-name", default="default")
+parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
+parser.add_argument("--device", default="auto")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
+parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
+parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
+parser.add_argument("--steps", type=int, default=60, help="sampling batches (each followed by optimizer steps)")
+parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
+parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per batch, all ranks together")
+parser.add_argument("--samples-per-prompt", type=int, default=4, help="answers sampled per prompt")
+parser.add_argument("--max-new-tokens", type=int, default=192)
+parser.add_argument("--tools", action="store_true", help="offer the calculator: the student's multi-turn tool rollouts, "
+                    "the teacher scores its sampled tokens (tool results are never trained)")
+parser.add_argument("--max-tool-turns", type=int, default=6)
+parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; both models' log-probs are taken at it")
+parser.add_argument("--discount", type=float, default=0.0, help="a token's advantage adds the discounted rewards of "
+                    "the tokens after it (0: its own reverse KL only, as Thinking Machines; 1: the whole rest of the answer)")
+parser.add_argument("--eps-low", type=float, default=0.2)
+parser.add_argument("--eps-high", type=float, default=0.28)
+parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="sampler/trainer mismatch (rollout.sampler_correction)")
+parser.add_argument("--tis-cap", type=float, default=2.0)
+parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
+parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
+parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included)")
+parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+parser.add_argument("--fsdp", action="store_true", help="shard the student's training state and the teacher across ranks (FSDP2)")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
+parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
+parser.add_argument("--warmup-steps", type=int, default=3)
+parser.add_argument("--grad-clip", type=float, default=1.0)
+parser.add_argument("--eval-every", type=int, default=10)
+parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
+parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
+parser.add_argument("--save-every", type=int, default=20)
+parser.add_argument("--resume", action="store_true")
+
+
+# ------------------------------------------------------------------------------------------------
+# The loss: the teacher's per-token verdict as an advantage
+
+def reverse_kl_advantages(teacher_logp, student_logp, mask, discount=0.0):
+    """Per-token advantages (B, T) of the student's own samples: the reward of token t is
+    log p_teacher(y_t) - log p_student(y_t), minus the per-token reverse KL, and its advantage is the
+    discounted sum of the rewards from t to the end of the answer (discount 0: the reward itself).
+    Tokens outside the mask (the prompt, tool results, padding) get reward 0 and advantage 0.
+
+    Why this is the reverse KL's gradient: KL(student || teacher) = E_student[sum_t log p_s(y_t) - log p_t(y_t)],
+    and its gradient is E_student[sum_t grad log p_s(y_t) * (sum_{k >= t} log p_s(y_k) - log p_t(y_k))] (the
+    score function; a token's own reward and those after it, the earlier ones do not depend on it): the
+    policy gradient with advantages at discount 1. Discount 0 keeps only each token's own term: the
+    gradient of each position's KL with the prefix that led there held fixed (tests/test_distill.py
+    checks both against the analytic KL by enumerating every sequence).
+
+    Example, one answer of three tokens, student log-probs -0.10, -2.00, -0.50 and teacher's -0.30, -0.70,
+    -0.50: rewards -0.20 (the student is surer than the teacher), +1.30 (the teacher likes this token more:
+    push it up), 0.00; at discount 0.5 the advantages are -0.20 + 0.5 * (1.30 + 0.5 * 0) = 0.45, 1.30, 0.00.
+    When the student is the teacher every advantage is exactly 0, and so is the gradient."""
+    mask = mask.to(student_logp.dtype)
+    reward = (teacher_logp - student_logp) * mask
+    if discount == 0:
+        return reward
+    adv, running = torch.zeros_like(reward), torch.zeros_like(reward[:, 0])
+    for t in reversed(range(reward.size(1))):
+        running = reward[:, t] + discount * running
+        adv[:, t] = running
+    return adv * mask
+
+
+def kd_loss(student_logp, mask, normalizer):
+    """--mode kd: the negative log-likelihood of the teacher's sampled tokens, summed and divided by the
+    tokens of the whole global batch (normalizer). Its gradient is the one of the forward KL
+    KL(teacher || student) = E_teacher[log p_t(y) - log p_s(y)] estimated on the same samples (the
+    teacher's own term does not depend on the student): sequence-level KD (Kim & Rush 2016).
+    Example: teacher tokens the student gives p = 0.50, 0.90, 0.20 cost -(ln 0.5 + ln 0.9 + ln 0.2) / 3 = 0.8026."""
+    return -(student_logp * mask).sum() / normalizer
+
+
+def kd_update(model, optimizer, batch, *, step, args):
+    """--minibatches optimizer steps (times --ppo-epochs) of kd_loss on the teacher's samples, each minibatch
+    in forward passes of at most --micro-batch-tokens, divided by the minibatch's global token count.
+    Returns sums over this rank: loss, updates, grad_norm."""
+    totals = {"loss": 0.0, "updates": 0, "grad_norm": 0.0}
+    order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(step))
+    for _ in range(args.ppo_epochs):
+        for mb in order.tensor_split(args.minibatches):
+            n_tokens = all_reduce_sum(float(batch.mask[mb].sum()))
+            if n_tokens == 0:
+                continue
+            passes = micro_batches(batch.lengths[mb], args.micro_batch_tokens)
+            for j, part in enumerate(passes):
+                with no_sync(model, last=j == len(passes) - 1):
+                    if not part:
+                        idle_pass(model)
+                        continue
+                    i, cols = mb[part].to(batch.mask.device), int(batch.lengths[mb[part]].max())
+                    with autocast(batch.inputs.device):
+                        logp = model(batch.inputs[i, :cols], batch.targets[i, :cols], temperature=args.temperature)
+                    loss = kd_loss(logp, batch.mask[i, :cols], n_tokens)
+                    check_finite(loss, step + 1)
+                    loss.backward()
+                totals["loss"] += loss.item()
+            totals["grad_norm"] += optimizer_step(model, optimizer, args.grad_clip)
+            totals["updates"] += 1
+    return totals
+
+
+def rl_update_args(args):
+    """chat_rl.update_policy reads its settings from chat_rl's flags: its defaults (token-mean, the token
+    ratio, the PPO clip, no entropy bonus, no KL), with this script's flags of the same names on top."""
+    rl_args = rl_parser.parse_args([])
+    for name, value in vars(args).items():
+        if hasattr(rl_args, name):
+            setattr(rl_args, name, value)
+    return rl_args
+
+
+def same_vocabulary(a, b) -> bool:
+    """Two tokenizers map the same strings to the same ids: the teacher's log-prob of token id i is then
+    the log-prob of the token the student wrote."""
+    vocab_a, vocab_b = a._tok.get_vocab(with_added_tokens=True), b._tok.get_vocab(with_added_tokens=True)
+    return a.vocab_size == b.vocab_size and vocab_a == vocab_b
+
+
+def main():
+    import memory
+    from chat_eval import heldout_scores
+    from engine import Engine
+    from model import load_config
+    from rewards import Grader
+    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
+    from tokenizer import Tokenizer
+
+    args = parser.parse_args()
+    if args.data:  # a malformed row stops the run at once, before any model is looked for
+        rows = load_rl(args.data)
+        eval_rows = load_rl(args.eval_data) if args.eval_data else rows[len(rows) - max(1, len(rows) // 50):]
+        rows = rows if args.eval_data else rows[:len(rows) - len(eval_rows)]
+        eval_rows = eval_rows[:args.eval_problems]
+    else:
+        rows = rl_prompts("train", args.num_prompts, seed=args.seed)
+        eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
+    if not 0 <= args.discount <= 1:
+        raise UserError(f"--discount {args.discount}: must be in [0, 1]")
+    dist = init_dist(args.device, args.dist_timeout)
+    device = dist.device
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "chat_distill")
+    out_dir = run_dir("distill", args.run_name)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb,
+                        run_name=f"distill/{args.run_name}", config=vars(args))
+    if args.prompts_per_step % dist.world_size:
+        raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
+
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
+    teacher_path = resolve_model_path(args.teacher or os.path.join(nanopost_home(), "rl", "default"))
+    tok = Tokenizer.load(init)
+    if not same_vocabulary(tok, Tokenizer.load(teacher_path)):
+        raise UserError(f"--teacher {teacher_path}: its tokenizer differs from the student's ({init}); "
+                        "distillation compares the log-probs of the same token ids")
+    S, local_prompts = args.samples_per_prompt, args.prompts_per_step // dist.world_size
+    student_shape, teacher_shape = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(teacher_path))
+    tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
+    prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
+    rows_per_pass = -(-local_prompts * S // args.minibatches)
+    memory.check(memory.estimate(  # know before you OOM: the student trains, the teacher only runs forward
+        trained=[student_shape], frozen=[teacher_shape], world_size=dist.world_size, fsdp=args.fsdp,
+        micro_batch_tokens=min(args.micro_batch_tokens, rows_per_pass * (prompt_len + args.max_new_tokens)),
+        graded_tokens=min(args.micro_batch_tokens, rows_per_pass * args.max_new_tokens), cuda=device.type == "cuda",
+        grad_checkpointing=args.grad_checkpointing, sample_rows=local_prompts * S,
+        sample_tokens=prompt_len + args.max_new_tokens), device)
+    ckpt = resume_checkpoint(out_dir) if args.resume else None
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)  # float32 master weights
+    unwrap(model).grad_checkpointing = args.grad_checkpointing
+    args.lr = learning_rate(args.lr, "rl", unwrap(model).config)
+    optimizer = make_optimizer(model, args.lr)
+    start_step, train_clock = 0, 0.0  # train_clock: seconds in steps, evaluation excluded (--time-budget)
+    if ckpt:
+        state = load_training_state(ckpt, optimizer, model)
+        start_step, train_clock = state["step"], state["train_seconds"]
+        print0(f"resumed from {ckpt} at step {start_step} ({train_clock:.0f} s of training)")
+    elif dist.is_main and os.path.exists(log.path):
+        os.remove(log.path)
+    # the teacher: frozen, in the compute dtype, sharded too under --fsdp
+    teacher = load_model(teacher_path, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
+    grader = Grader("verifier", tok, device)  # only logged: the teacher's log-probs are the signal
+    tools = TOOLS if args.tools else None
+    sampler = Engine(unwrap(model if args.mode == "on-policy" else teacher), tok, tools=tools)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tool_schemas=tool_schemas,
+                    max_tool_turns=args.max_tool_turns)
+    rl_args = rl_update_args(args)
+    print0(f"student: {unwrap(model).num_params():,} parameters from {init}; teacher: "
+           f"{unwrap(teacher).num_params():,} from {teacher_path}; mode {args.mode}; {args.prompts_per_step} "
+           f"prompts x {S} answers per step on {dist.world_size} rank(s)")
+
+    def evaluate(net, step):
+        """Held-out pass@1 (greedy), pass@k at --temperature, and the reverse KL to the teacher per token of
+        the student's own answers at --temperature (one per problem): the number distillation lowers."""
+        t0 = time.time()
+        scores = heldout_scores(net, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
+                                temperature=args.temperature, seed=step, use_tools=args.tools)
+        if net is model:
+            mine = eval_rows[dist.rank::dist.world_size]
+            engine = Engine(unwrap(model), tok, tools=tools)
+            with engine.prepared():
+                rollouts = sample(engine, mine, grader, samples_per_prompt=1, seed=10_000 + step, **sampling)
+            batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device)
+            diff = batch_logprobs(model, batch, args.micro_batch_tokens, temperature=args.temperature) - \
+                batch_logprobs(teacher, batch, args.micro_batch_tokens, temperature=args.temperature)
+            n_tokens = all_reduce_sum(float(batch.mask.sum()))
+            scores["reverse_kl"] = all_reduce_sum(float((diff * batch.mask).sum())) / n_tokens
+        print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        return scores
+
+    final_scores = None
+    if start_step == 0 and eval_rows:  # the teacher's scores are the target; the student's are where it starts
+        teacher_scores = evaluate(teacher, 0)
+        final_scores = evaluate(model, 0)
+        log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()},
+                **{f"teacher/{k}": v for k, v in teacher_scores.items()})
+    bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="distill")
+    for step in bar:
+        t_step = time.time()
+        lr = lr_at(step, args.steps, args.lr, args.warmup_steps, final_ratio=1.0)  # warmup, then constant
+        set_lr(optimizer, lr)
+
+        # 1. samples: the student's (on-policy) or the teacher's (kd), graded only to be logged; a pure
+        #    function of (seed, step, rank), so a resumed run samples what the uninterrupted one would
+        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dist.rank)
+        batch_rows = [rows[i] for i in torch.randint(len(rows), (local_prompts,), generator=g).tolist()]
+        with sampler.prepared():
+            rollouts = sample(sampler, batch_rows, grader, samples_per_prompt=S, seed=int(g.initial_seed()) % 2**31,
+                              **sampling)
+        t_sample = time.time() - t_step
+
+        # 2. both models' log-probs of every sampled token, before any update on this batch
+        t1 = time.time()
+        batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device)
+        mask = batch.mask
+        student_logp = batch_logprobs(model, batch, args.micro_batch_tokens, temperature=args.temperature)
+        teacher_logp = batch_logprobs(teacher, batch, args.micro_batch_tokens, temperature=args.temperature)
+
+        # 3. the update
+        if args.mode == "on-policy":
+            adv = reverse_kl_advantages(teacher_logp, student_logp, mask, args.discount)
+            weights = sampler_correction(student_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap)
+            totals = update_policy(model, optimizer, batch, old_logp=student_logp, advantages=adv, ref_logp=None,
+                                   weights=weights, step=step, args=rl_args)
+        else:
+            totals = kd_update(model, optimizer, batch, step=step, args=args)
+        t_train = time.time() - t1
+        train_clock += time.time() - t_step
+
+        # 4. log: sums over ranks divided by global counts
+        s = all_reduce_dict(rollouts.stats())
+        n_ans, n_tok = s["answers"], max(1.0, all_reduce_sum(float(mask.sum())))
+        kl_sum = all_reduce_sum(float(((student_logp - teacher_logp) * mask).sum()))
+        metrics = {
+            # per token, before the update: on the student's samples (on-policy) log p_s - log p_t estimates the
+            # reverse KL; on the teacher's (kd) log p_t - log p_s estimates the forward KL
+            **({"reverse_kl": kl_sum / n_tok} if args.mode == "on-policy" else {"forward_kl": -kl_sum / n_tok}),
+            "accuracy": s["correct"] / n_ans,
+            "loss": all_reduce_sum(totals["loss"]) / max(1, totals["updates"]),
+            "grad_norm": totals["grad_norm"] / max(1, totals["updates"]),
+            "updates": totals["updates"],
+            "length_mean": s["length_sum"] / n_ans,
+            "truncated_frac": s["truncated"] / n_ans,
+            "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
+            "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
+            "lr": lr,
+            "train_seconds": train_clock,
+            "peak_mem_mb": peak_memory_mb(device),
+        }
+        if args.mode == "on-policy":
+            n_upd = max(1.0, all_reduce_sum(totals["tokens"]))
+            mismatch = all_reduce_sum(float(((student_logp - batch.engine_logp).abs() * mask).sum())) / n_tok
+            metrics.update(clip_frac=all_reduce_sum(totals["clip_frac"]) / n_upd,
+                           ratio_mean=all_reduce_sum(totals["ratio"]) / n_upd,
+                           approx_kl=totals["approx_kl"] / max(1, totals["updates"]), logprob_mismatch=mismatch)
+        over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
+        last = step + 1 == args.steps or over_budget
+        if eval_rows and ((step + 1) % args.eval_every == 0 or last):
+            final_scores = evaluate(model, step + 1)
+            metrics.update({f"eval/{k}": v for k, v in final_scores.items()})
+        log.log(step + 1, **metrics)
+        kl = metrics.get("reverse_kl", metrics.get("forward_kl"))
+        bar.set_postfix(kl=f"{kl:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
+        if (step + 1) % args.save_every == 0 or last:
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer,
+                            {"run_config": vars(args), "train_seconds": train_clock})
+        if over_budget:
+            print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
+            break
+
+    if eval_rows:
+        scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(model, args.steps)
+        if dist.is_main:
+            write_eval(out_dir, scores)
+    log.close()
+
+
+if __name__ == "__main__":
+    run_main(main)
