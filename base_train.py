@@ -22,7 +22,7 @@ import time
 import torch
 
 from common import (IGNORE, MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
-                    check_finite, cleanup_dist, dist_info, epoch_batch, heldout_loss, init_dist, load_model,
+                    check_finite, dist_info, epoch_batch, heldout_loss, init_dist, load_model,
                     load_training_state, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step,
                     pack_bfd, peak_memory_mb, print0, print_config, progress, resume_checkpoint, run_dir, run_main,
                     save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
@@ -44,10 +44,10 @@ parser.add_argument("--n-head", type=int, default=4)
 parser.add_argument("--n-kv-head", type=int, default=2)
 parser.add_argument("--max-seq-len", type=int, default=512, help="the model's context (positions)")
 # data and optimization
-parser.add_argument("--num-docs", type=int, default=40000, help="training documents (problems with solutions)")
-parser.add_argument("--seq-len", type=int, default=256, help="tokens per training row")
-parser.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step, all ranks together")
-parser.add_argument("--device-batch-size", type=int, default=16, help="rows per forward pass (gradient accumulation above it)")
+parser.add_argument("--num-docs", type=int, default=20000, help="training documents (problems with solutions)")
+parser.add_argument("--seq-len", type=int, default=512, help="tokens per training row")
+parser.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step, all ranks together")
+parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass (gradient accumulation above it)")
 parser.add_argument("--steps", type=int, default=600)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--warmup-steps", type=int, default=30)
@@ -216,7 +216,6 @@ def main():
         if dist.is_main:
             write_eval(out_dir, scores)
     log.close()
-    cleanup_dist()
 
 
 if __name__ == "__main__":

@@ -33,12 +33,13 @@ import torch
 import torch.nn.functional as F
 
 from chat_sft import sft_example
-from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max,
-                    all_reduce_sum, autocast, check_finite, cleanup_dist, compute_dtype, dist_info, epoch_batch,
-                    idle_pass, init_dist, learning_rate, load_model, load_training_state, lr_at, make_optimizer,
-                    micro_batches, nanopost_home, no_sync, optimizer_step, pack_sequences, peak_memory_mb, print0,
-                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
-                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+from common import (AdaptersOff, IGNORE, MetricsLogger, UserError, add_lora_flags, all_gather_objects, all_reduce_dict,
+                    all_reduce_max, all_reduce_sum, autocast, check_finite, dist_info, epoch_batch,
+                    idle_pass, init_dist, learning_rate, load_model, load_training_state, lora_options, lr_at,
+                    make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step, pack_sequences,
+                    peak_memory_mb, print0, print_config, progress, reference_model, resolve_model_path,
+                    resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model,
+                    write_eval)
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo", "kto")
 
@@ -79,10 +80,12 @@ parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out pair evaluations")
 parser.add_argument("--eval-problems", type=int, default=500, help="embedded-world held-out problems sampled greedily at the start and the end (0: none)")
-parser.add_argument("--max-new-tokens", type=int, default=192)
+parser.add_argument("--max-new-tokens", type=int, default=256)
+parser.add_argument("--tools", action="store_true", help="evaluate pass@1 with the calculator offered (as chat_rl.py --tools)")
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--compile", action="store_true")
+add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,7 +99,8 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     Example, sigmoid: margins +1.40 / -0.20 / -2.60 (already right / near tie / backwards)
     lose 0.6256 / 0.7032 / 0.8316 at beta 0.1, with |d loss / d margin| = beta * sigmoid(-beta * margin)
     = 0.0465 / 0.0505 / 0.0565: all near log 2, the backwards pair barely pushed harder. At beta 0.5:
-    0.4032 / 0.7444 / 1.5410 and 0.1659 / 0.2625 / 0.3929 (8.4x between backwards and right)."""
+    0.4032 / 0.7444 / 1.5410 and 0.1659 / 0.2625 / 0.3929: the backwards pair pushed 2.4x harder than the right
+    one (1.2x at beta 0.1), and 8.4x harder than the right one at beta 0.1."""
     chosen_logratios = policy_chosen_logps - ref_chosen_logps
     rejected_logratios = policy_rejected_logps - ref_rejected_logps
     margin = chosen_logratios - rejected_logratios
@@ -403,13 +407,14 @@ def main():
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     policy = memory.Shape.of(load_config(init))  # know before you OOM
-    memory.check(memory.estimate(trained=[policy], frozen=[policy] * (args.ref == "live" and not orpo),
+    memory.check(memory.estimate(trained=[policy], frozen=[policy] * (args.ref == "live" and not orpo and not args.lora_rank),
+                                 lora_rank=args.lora_rank,
                                  micro_batch_tokens=args.micro_batch_tokens, world_size=dist.world_size, fsdp=args.fsdp,
                                  cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing,
                                  sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
                                  sample_tokens=args.max_len), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(init, fsdp=args.fsdp), fsdp=args.fsdp)
+    model = wrap_model(load_model(init, fsdp=args.fsdp, lora=lora_options(args)), fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:  # sampled from the starting policy, before any update
         prompts = rl_prompts("train", args.num_train, seed=args.seed)
         train_rows = on_policy_rows(model, tok, prompts, args.samples, args.temperature, args.max_new_tokens, args.seed)
@@ -437,16 +442,18 @@ def main():
     elif args.ref == "precompute":
         ref = reference_logps(model, both(items), pad, cap).view(-1, 2)
     else:
-        ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
+        ref_model = reference_model(model, init, args.fsdp)  # LoRA: the policy, adapters off
     start_scores, start_correct = {}, None
     # greedy pass@1 on held-out problems: the embedded world's (a user's pairs have no answer key)
     eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
     if eval_rows and not ckpt:  # the SFT start, measured the same way as the end (every rank its share)
         start_scores, start_correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens,
-                                                    per_prompt=True)
+                                                    use_tools=args.tools, per_prompt=True)
         print0("start, held-out greedy: " + "  ".join(f"{k} {v:.3f}" for k, v in start_scores.items()))
     if ckpt:
-        model = wrap_model(load_model(ckpt, fsdp=args.fsdp), fsdp=args.fsdp)
+        model = wrap_model(load_model(ckpt, fsdp=args.fsdp, lora=lora_options(args, resume=True)), fsdp=args.fsdp)
+        if isinstance(ref_model, AdaptersOff):  # the reloaded policy's adapters off
+            ref_model = reference_model(model, init, args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
 
     per_step = args.batch_size
@@ -551,11 +558,12 @@ def main():
     # held-out, every rank its share: the implicit-reward metrics, and greedy pass@1 before and after
     ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
     if eval_rows:
-        scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, per_prompt=True)
+        scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, use_tools=args.tools,
+                                        per_prompt=True)
         ev.update(scores)
         if start_correct is not None:  # the same problems before and after: the change and its error
             ev["pass@1_change"], ev["pass@1_change_se"] = paired_change(start_correct, correct)
-    ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate")})
+    ev.update({f"start/{k}": v for k, v in start_scores.items() if k in ("pass@1", "format_rate", "stop_rate", "tool_use_rate")})
     ev["peak_memory_mb"] = peak_memory_mb(device)
     ev["ref"] = "none" if orpo else args.ref
     print0("held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
@@ -563,7 +571,6 @@ def main():
     if dist.is_main:
         write_eval(out_dir, ev)
     log.close()
-    cleanup_dist()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ last </think>). Metrics:
     python chat_eval.py --compare out/rl/a out/rl/b --out cmp.json       # did a change help? (paired)
     python chat_eval.py --plot out/rl/default out/ppo/default --out curves.png   # the runs' curves
     python chat_eval.py --report                                 # every stage's eval.json -> report.json
+    python chat_eval.py --report sft/r1 rl/r1 --out r1.json      # these runs' eval.json, one row each
+    python chat_eval.py --model out/sft/rs --out out/sft/rs/eval.json   # add pass@1 to a run's eval.json
 
 --compare evaluates both runs on the same held-out problems with the same sampling seeds, one model in
 memory at a time, and reports each run's greedy pass@1 and sampled pass@1 (--samples answers per problem
@@ -37,7 +39,7 @@ import torch
 from common import (UserError, all_gather_objects, all_reduce_dict, dist_info, init_dist, nanopost_home, print0,
                     resolve_model_path, run_main, unwrap)
 from engine import Engine
-from rewards import answer_text, has_format, verify
+from rewards import answer_text, has_format, verify_batch
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 
 STAGES = ("base", "sft", "rm", "dpo", "rl", "ppo")
@@ -56,29 +58,33 @@ def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperatu
                   seed=0, use_tools=False, batch_size=64, per_prompt=False):
     """Sample and grade; returns metrics (pass@1..num_samples, format_rate, stop_rate, mean_length), and
     with per_prompt=True also the number of correct samples of each row (for paired comparisons).
-    use_tools offers the calculator (its schema in the prompt, executed by the engine mid-rollout).
+    use_tools offers the calculator (its schema in the prompt, executed by the engine mid-rollout) and adds
+    tool_use_rate (answers that called it) and tool_errors (its error results per answer).
     Under torchrun every rank evaluates its share of the rows (rows[rank::world]) and the counts are
     summed, so no rank waits alone inside a collective while another evaluates; every rank must call it."""
     info = dist_info()
     schemas = [CALCULATOR_SCHEMA] if use_tools else None
     engine = Engine(unwrap(model), tok, tools=TOOLS if use_tools else None)
     mine = list(range(info.rank, len(rows), info.world_size))
-    correct_of, totals = {}, {"format": 0.0, "stop": 0.0, "length": 0.0}
+    correct_of, totals = {}, {"format": 0.0, "stop": 0.0, "length": 0.0, "tool_use": 0.0, "tool_errors": 0.0}
     with engine.prepared():  # the sampler's weights, gathered once (a collective under FSDP2)
         for i in range(0, len(mine), batch_size):
             chunk = [rows[j] for j in mine[i:i + batch_size]]
             prompts = [tok.render_for_completion(r["prompt"], tools=r.get("tools") or schemas) for r in chunk]
             outs = engine.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + mine[i])
-            for j, r in enumerate(chunk):
-                correct = 0
-                for o in outs[j * num_samples:(j + 1) * num_samples]:
-                    answer = answer_text(tok.decode(o.tokens))
-                    correct += verify(r["verifier"], answer, r["ground_truth"]) == 1.0
-                    totals["format"] += has_format(r["verifier"], answer)
-                    totals["stop"] += o.finish_reason == "stop"
-                    totals["length"] += len(o.tokens)
-                correct_of[mine[i + j]] = correct
+            answers = [answer_text(tok.decode(o.tokens)) for o in outs]
+            row_of = [chunk[k // num_samples] for k in range(len(outs))]
+            scores, _, _ = verify_batch([r["verifier"] for r in row_of], answers,  # code rows run in parallel
+                                        [r["ground_truth"] for r in row_of])
+            for j in range(len(chunk)):
+                correct_of[mine[i + j]] = sum(s == 1.0 for s in scores[j * num_samples:(j + 1) * num_samples])
+            for r, o, answer in zip(row_of, outs, answers):
+                totals["format"] += has_format(r["verifier"], answer)
+                totals["stop"] += o.finish_reason == "stop"
+                totals["length"] += len(o.tokens)
+                totals["tool_use"] += o.tool_calls > 0
+                totals["tool_errors"] += o.tool_errors
     pass_sums = {f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in correct_of.values())
                  for k in range(1, num_samples + 1)}
     sums = all_reduce_dict({**pass_sums, **totals}, keys=[*pass_sums, *totals])
@@ -86,9 +92,26 @@ def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperatu
     metrics = {k: sums[k] / len(rows) for k in pass_sums}
     metrics.update(format_rate=sums["format"] / n_total, stop_rate=sums["stop"] / n_total,
                    mean_length=sums["length"] / n_total)
+    if use_tools:  # answers that called the calculator, and its error results per answer
+        metrics.update(tool_use_rate=sums["tool_use"] / n_total, tool_errors=sums["tool_errors"] / n_total)
     if not per_prompt:
         return metrics
     return metrics, _in_row_order(correct_of, len(rows))
+
+
+def heldout_scores(model, tok, rows, *, max_new_tokens, samples=4, temperature=1.0, top_k=None, top_p=None,
+                   seed=0, use_tools=False) -> dict:
+    """What a stage reports on held-out problems: greedy pass@1, format and stop rates, and pass@1..samples
+    at `temperature` (keys suffixed _t1 at T=1); with use_tools, each one's tool-use rate (tool_use_rate,
+    tool_use_rate_t1) and the greedy answers' tool errors. Every stage that samples reports the same keys
+    the same way, so report.json compares them (SFT, RL and PPO with the calculator offered alike)."""
+    greedy = evaluate_chat(model, tok, rows, max_new_tokens=max_new_tokens, use_tools=use_tools)
+    scores = {k: greedy[k] for k in ("pass@1", "format_rate", "stop_rate", "tool_use_rate", "tool_errors") if k in greedy}
+    if samples:
+        sampled = evaluate_chat(model, tok, rows, num_samples=samples, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, use_tools=use_tools)
+        scores.update({f"{k}_t{temperature:g}": v for k, v in sampled.items() if k.startswith("pass@") or k == "tool_use_rate"})
+    return scores
 
 
 def _in_row_order(correct_of, n):
@@ -109,21 +132,33 @@ def paired_change(before: list, after: list) -> tuple[float, float]:
     return d.mean().item(), (d.std() / len(d) ** 0.5).item()
 
 
-def report(run: str = "default") -> dict:
-    """Gather $NANOPOST_HOME/<stage>/<run>/eval.json into $NANOPOST_HOME/report.json and print a table."""
+def report(run: str = "default", runs: list[str] | None = None, out: str | None = None) -> dict:
+    """Gather held-out metrics into a JSON file (default $NANOPOST_HOME/report.json) and print a table.
+    Without `runs`: every stage's $NANOPOST_HOME/<stage>/<run>/eval.json, one row per stage. With `runs`:
+    those run directories, in order, one row each, named as given; a name relative to $NANOPOST_HOME
+    (sft/r1, rl/r1-rs) or any path. A recipe's steps: report(runs=["sft/r1", "rl/r1", "sft/r1-rs"])."""
+    if runs:
+        paths = {name: os.path.join(nanopost_home(), name, "eval.json") if not os.path.isabs(name)
+                 else os.path.join(name, "eval.json") for name in runs}
+        missing = [name for name, path in paths.items() if not os.path.isfile(path)]
+        if missing:
+            raise UserError(f"--report: no eval.json in {', '.join(missing)} (under {nanopost_home()}); "
+                            f"a finished run writes one")
+    else:
+        paths = {stage: os.path.join(nanopost_home(), stage, run, "eval.json") for stage in STAGES}
     rep = {}
-    for stage in STAGES:
-        path = os.path.join(nanopost_home(), stage, run, "eval.json")
+    for name, path in paths.items():
         if os.path.isfile(path):
             with open(path) as f:
-                rep[stage] = json.load(f)
-    out = os.path.join(nanopost_home(), "report.json")
+                rep[name] = json.load(f)
+    out = out or os.path.join(nanopost_home(), "report.json")
     with open(out, "w") as f:
         json.dump(rep, f, indent=2)
-    cols = ["pass@1", "pass@1_t1", "format_rate", "stop_rate", "pair_accuracy"]
-    print(f"{'stage':8s}" + "".join(f"{c:>15s}" for c in cols))
-    for stage, m in rep.items():
-        print(f"{stage:8s}" + "".join(f"{m[c]:15.3f}" if c in m else f"{'-':>15s}" for c in cols))
+    cols = ["pass@1", "pass@1_t1", "tool_use_rate", "format_rate", "stop_rate", "pair_accuracy"]
+    width = max([8, *(len(name) + 2 for name in rep)])
+    print(f"{'stage' if not runs else 'run':{width}s}" + "".join(f"{c:>15s}" for c in cols))
+    for name, m in rep.items():
+        print(f"{name:{width}s}" + "".join(f"{m[c]:15.3f}" if c in m else f"{'-':>15s}" for c in cols))
     print(f"report -> {out}")
     return rep
 
@@ -281,7 +316,8 @@ def main():
     ap.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"),
                     help="evaluate two runs on the same problems and seeds; prints the paired change B - A")
     ap.add_argument("--plot", nargs="+", metavar="RUN", help="draw these runs' metrics.jsonl (run directories or files)")
-    ap.add_argument("--report", action="store_true", help="gather every stage's eval.json into report.json")
+    ap.add_argument("--report", nargs="*", metavar="RUN", help="gather every stage's eval.json into report.json; "
+                    "or these runs' (e.g. sft/r1 rl/r1, under $NANOPOST_HOME), one row each")
     ap.add_argument("--run-name", default="default", help="run name, with --report")
     ap.add_argument("--problems", type=int, default=None, help="held-out problems (default 200; 500 with --compare)")
     ap.add_argument("--samples", type=int, default=None,
@@ -293,13 +329,15 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--tools", action="store_true", help="offer the calculator tool")
     ap.add_argument("--metrics", help="with --plot: comma-separated metric names (default: the RL curves logged)")
-    ap.add_argument("--out", help="with --plot: the PNG (default curves.png); with --compare: a JSON of the numbers")
+    ap.add_argument("--out", help="with --plot: the PNG (default curves.png); with --compare: a JSON of the numbers; "
+                    "with --report: the JSON (default $NANOPOST_HOME/report.json); with --model: a JSON file the "
+                    "metrics are added to (a run's eval.json keeps its other keys; sampled: pass@k_tT only)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    if sum(map(bool, (args.model, args.compare, args.plot, args.report))) != 1:
-        ap.error("pass one of --model PATH, --compare RUN_A RUN_B, --plot RUN [RUN ...], --report")
-    if args.report:
-        report(args.run_name)
+    if sum(map(bool, (args.model, args.compare, args.plot, args.report is not None))) != 1:
+        ap.error("pass one of --model PATH, --compare RUN_A RUN_B, --plot RUN [RUN ...], --report [RUN ...]")
+    if args.report is not None:
+        report(args.run_name, args.report, args.out)
     elif args.plot:
         out = args.out or "curves.png"
         drawn = plot_runs(args.plot, out, args.metrics.split(",") if args.metrics else None)
@@ -325,6 +363,19 @@ def main():
         m = evaluate_chat(model, tok, rows, num_samples=args.samples or 1, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p, use_tools=args.tools)
         print0(json.dumps({k: round(v, 4) for k, v in m.items()}, indent=2))
+        if args.out and dist.is_main:  # added to what the file holds (a run's eval.json keeps its val_loss)
+            held = {}
+            if os.path.isfile(args.out):
+                with open(args.out) as f:
+                    held = json.load(f)
+            if not isinstance(held, dict):
+                raise UserError(f"--out {args.out}: holds no JSON object to add the metrics to")
+            if args.temperature:  # sampled: its pass@k as the RL stages name them (pass@1_t1), greedy keys kept
+                m = {f"{k}_t{args.temperature:g}": v for k, v in m.items() if k.startswith("pass@")}
+            held.update({k: round(v, 4) for k, v in m.items()})
+            with open(args.out, "w") as f:
+                json.dump(held, f, indent=2)
+            print0(f"-> {args.out}")
 
 
 if __name__ == "__main__":

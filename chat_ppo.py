@@ -37,12 +37,13 @@ import time
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist,
-                    compute_dtype, global_mean_var, idle_pass, init_dist, learning_rate, load_model,
-                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
-                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
-from rollout import batch_logprobs, kl_penalty, sample, tis_weights, training_batch
+from common import (AdaptersOff, MetricsLogger, UserError, add_lora_flags, all_reduce_dict, all_reduce_sum, autocast,
+                    check_finite, global_mean_var, idle_pass, init_dist, learning_rate, load_model,
+                    load_training_state, lora_options, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, print_config, progress, reference_model,
+                    resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr,
+                    unwrap, wrap_model, write_eval)
+from rollout import CORRECTIONS, batch_logprobs, kl_penalty, sample, sampler_correction, training_batch
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
 parser.add_argument("--init", default=None, help="actor (and reference) model folder or run dir (default: the SFT run)")
@@ -60,12 +61,12 @@ parser.add_argument("--steps", type=int, default=60, help="rollout batches (each
 parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
 parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per rollout batch, all ranks together")
 parser.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (the critic is the baseline, no group needed)")
-parser.add_argument("--max-new-tokens", type=int, default=128)
+parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--temperature", type=float, default=1.0)
 parser.add_argument("--top-k", type=int, default=None)
 parser.add_argument("--top-p", type=float, default=None)
 parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn tool rollouts")
-parser.add_argument("--max-tool-turns", type=int, default=4)
+parser.add_argument("--max-tool-turns", type=int, default=6)
 # rewards
 parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
                     "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
@@ -84,7 +85,10 @@ parser.add_argument("--eps-high", type=float, default=0.2, help="0.2: classic sy
 parser.add_argument("--value-clip", type=float, default=0.2, help="how far a value may move from its snapshot per batch (0: off)")
 parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus in the actor's loss")
 parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
-parser.add_argument("--tis-cap", type=float, default=2.0, help="truncated importance sampling cap on trainer/engine ratios (0: off)")
+parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="for answers the sampler drew from "
+                    "another distribution than the trainer's numerics: reweight or mask (rollout.sampler_correction)")
+parser.add_argument("--tis-cap", type=float, default=2.0, help="the cap of token-tis and sequence-tis; sequence-mask keeps [1/cap, cap]")
+parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities differ by more than this")
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (per model)")
@@ -104,6 +108,7 @@ parser.add_argument("--eval-problems", type=int, default=200, help="held-out pro
 parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 parser.add_argument("--save-every", type=int, default=20)
 parser.add_argument("--resume", action="store_true")
+add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
 # ------------------------------------------------------------------------------------------------
@@ -214,11 +219,11 @@ def value_loss(values, old_values, returns, mask, clip=0.2, normalizer=None):
 
 def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, returns, normalizer,
                temperature=1.0, top_k=None, top_p=None, eps_low=0.2, eps_high=0.2, value_clip=0.2,
-               entropy_coef=0.0, tis=None):
+               entropy_coef=0.0, weights=None):
     """The actor's and the critic's losses on one micro-batch, in CleanRL's order, every term normalized
     by the minibatch's GLOBAL answer-token count (`normalizer`). Returns (actor_loss, critic_loss, stats);
     the two networks are separate, so one backward of their sum gives each its own gradient.
-    tis: optional (B, T) truncated importance weights (sampler/trainer mismatch), detached."""
+    weights: optional (B, T) sampler correction (rollout.sampler_correction), detached."""
     m = mask.to(torch.float32)
     logp, entropy = actor(x, y, temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=True)
     log_ratio = logp - old_logp                        # old_logp: the snapshot before this batch's first update
@@ -229,8 +234,8 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
     pg_loss1 = -advantages * ratio                     # the surrogate: -min(r A, clip(r) A)
     pg_loss2 = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
     pg_loss = torch.max(pg_loss1, pg_loss2)
-    if tis is not None:
-        pg_loss = pg_loss * tis
+    if weights is not None:
+        pg_loss = pg_loss * weights
     pg_loss = (pg_loss * m).sum() / normalizer
     entropy_loss = (entropy * m).sum() / normalizer
     actor_loss = pg_loss - entropy_coef * entropy_loss  # an entropy bonus: one coefficient in the sum
@@ -243,7 +248,7 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
 
 def main():
     import memory
-    from chat_eval import evaluate_chat
+    from chat_eval import heldout_scores
     from engine import Engine
     from model import load_config
     from rewards import Grader
@@ -298,19 +303,22 @@ def main():
     prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
     use_kl = args.kl_beta > 0 or args.kl_target is not None
     memory.check(memory.estimate(
-        trained=[policy, value], frozen=[policy] * use_kl + memory.grader_shapes(args.reward),
+        trained=[policy, value], frozen=[policy] * (use_kl and not args.lora_rank) + memory.grader_shapes(args.reward),
         micro_batch_tokens=min(args.micro_batch_tokens, -(-local_prompts * S // args.minibatches) * (prompt_len + args.max_new_tokens)),
         graded_tokens=min(args.micro_batch_tokens, -(-local_prompts * S // args.minibatches) * args.max_new_tokens),
         world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
         grad_checkpointing=args.grad_checkpointing, sample_rows=local_prompts * S,
-        sample_tokens=prompt_len + args.max_new_tokens), device)
-    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
-    critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp), fsdp=args.fsdp)
+        sample_tokens=prompt_len + args.max_new_tokens, lora_rank=args.lora_rank), device)
+    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
+                        fsdp=args.fsdp)
+    # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (see README)
+    critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp,
+                                   lora=lora_options(args, resume=bool(critic_ckpt))), fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
-    ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False) if use_kl else None
+    ref_model = reference_model(actor, init, args.fsdp) if use_kl else None  # LoRA: the actor, adapters off
 
     args.lr = learning_rate(args.lr, "ppo", unwrap(actor).config)
     args.critic_lr = learning_rate(args.critic_lr, "critic", unwrap(critic).config, name="--critic-lr")
@@ -330,17 +338,14 @@ def main():
     engine = Engine(unwrap(actor), tok, tools=TOOLS if args.tools else None)
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from {critic_init}; "
-           f"reward {args.reward}; reference {'loaded' if ref_model else 'off (no KL)'}; {len(rows)} prompts; "
+           f"reward {args.reward}; reference {'off (no KL)' if ref_model is None else 'the actor, adapters off' if isinstance(ref_model, AdaptersOff) else 'loaded'}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {S} answers per step on {dist.world_size} rank(s)")
 
     def evaluate(step):
         t0 = time.time()
-        greedy = evaluate_chat(actor, tok, eval_rows, max_new_tokens=args.max_new_tokens, use_tools=args.tools)
-        sampled = evaluate_chat(actor, tok, eval_rows, num_samples=args.pass_k, max_new_tokens=args.max_new_tokens,
+        scores = heldout_scores(actor, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=step,
                                 use_tools=args.tools)
-        scores = {"pass@1": greedy["pass@1"], "format_rate": greedy["format_rate"], "stop_rate": greedy["stop_rate"],
-                  **{f"{k}_t{args.temperature:g}": v for k, v in sampled.items() if k.startswith("pass@")}}
         print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
@@ -384,7 +389,8 @@ def main():
                     continue
                 i, cols = torch.tensor(part, device=device), int(batch.lengths[part].max())
                 old_values[i, :cols] = critic(batch.inputs[i, :cols]).float() * mask[i, :cols]
-        tis = tis_weights(old_logp, batch.engine_logp, args.tis_cap) if args.tis_cap > 0 else None
+        weights = sampler_correction(old_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap,
+                                     eps=args.mask_eps)
 
         # 3. rewards (score at the end, KL everywhere) and advantages (GAE, then whitened over all ranks)
         rewards, kl = token_rewards(scores, old_logp, ref_logp, mask, kl_beta, args.kl_kind)
@@ -420,7 +426,7 @@ def main():
                                 old_logp=old_logp[i, :cols], old_values=old_values[i, :cols],
                                 advantages=advantages[i, :cols], returns=returns[i, :cols], normalizer=norm,
                                 eps_low=args.eps_low, eps_high=args.eps_high, value_clip=args.value_clip,
-                                entropy_coef=args.entropy_coef, tis=None if tis is None else tis[i, :cols],
+                                entropy_coef=args.entropy_coef, weights=weights[i, :cols],
                                 **logits_settings)
                         check_finite(actor_loss + critic_loss, step + 1)
                         (actor_loss * train_actor + critic_loss).backward()
@@ -479,7 +485,11 @@ def main():
             "length_mean": s["length_sum"] / n_ans,
             "length_max": max(len(c.tokens) for c in rollouts.completions),
             "truncated_frac": s["truncated"] / n_ans,
-            "tool_use_rate": s["tool_answers"] / n_ans,
+            "tool_use_rate": s["tool_answers"] / n_ans,  # answers that called a tool
+            "tool_turns": s["tool_calls"] / n_ans,  # tool-calling turns per answer
+            "tool_errors": s["tool_errors"] / n_ans,  # tool results that were errors, per answer
+            "accuracy_with_tool": s["correct_with_tool"] / max(1.0, s["tool_answers"]),
+            "accuracy_without_tool": (s["correct"] - s["correct_with_tool"]) / max(1.0, n_ans - s["tool_answers"]),
             "logprob_mismatch": all_reduce_sum(float(((old_logp - batch.engine_logp).abs() * mask).sum())) / n_tok,
             "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
             "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
@@ -513,7 +523,6 @@ def main():
             write_eval(out_dir, scores)
     print0(f"peak memory {peak_memory_mb(device):.0f} MiB")
     log.close()
-    cleanup_dist()
 
 
 if __name__ == "__main__":

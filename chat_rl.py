@@ -28,22 +28,29 @@ early past --target-kl; 4. log.
     torchrun --standalone --nproc_per_node=2 chat_rl.py                 # 2 CPU ranks (1 thread each)
     python chat_rl.py --init /models/my-sft --data rl.jsonl --device cuda            # 1 GPU
     torchrun --standalone --nproc_per_node=8 chat_rl.py --init ... --data rl.jsonl   # N GPUs
+    python chat_rl.py --init /models/Qwen3-8B-sft --data rl.jsonl --device cuda --lora-rank 32 --lr 1e-5  # LoRA, 1 GPU
+
+With --lora-rank the base is frozen and only adapters train (model.LoRALinear); the KL reference is the
+policy with its adapters off (no second model); LoRA wants about 10x full fine-tuning's --lr.
 
 Data: --data FILE.jsonl with rows {"prompt": [...] or str, "ground_truth": ..., "verifier": ...}, or
 verl's rows (data_source, reward_model.ground_truth). Writes $NANOPOST_HOME/rl/<run>/.
 """
 import argparse
+import collections
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, cleanup_dist,
-                    compute_dtype, global_mean_var, idle_pass, init_dist, learning_rate, load_model,
-                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
-                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
-from rollout import Rollouts, batch_logprobs, kl_penalty, sample, tis_weights, training_batch
+from common import (MetricsLogger, UserError, add_lora_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
+                    global_mean_var, idle_pass, init_dist, learning_rate, load_model,
+                    load_training_state, lora_options, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, print_config, progress, reference_model,
+                    resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr,
+                    unwrap, wrap_model, write_eval)
+from rollout import CORRECTIONS, Rollouts, batch_logprobs, kl_penalty, sample, sampler_correction, training_batch
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
 parser.add_argument("--init", default=None, help="model folder or run dir (default: the SFT run)")
@@ -59,12 +66,12 @@ parser.add_argument("--steps", type=int, default=60, help="rollout batches (each
 parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
 parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per rollout batch, all ranks together")
 parser.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt (G)")
-parser.add_argument("--max-new-tokens", type=int, default=128)
+parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--temperature", type=float, default=1.0)
 parser.add_argument("--top-k", type=int, default=None)
 parser.add_argument("--top-p", type=float, default=None)
 parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn tool rollouts")
-parser.add_argument("--max-tool-turns", type=int, default=4)
+parser.add_argument("--max-tool-turns", type=int, default=6)
 # rewards
 parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
                     "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
@@ -84,7 +91,14 @@ parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of t
 parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (0: no reference model)")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k2", help="KL estimator in the loss (k2: its gradient is the exact KL gradient)")
 parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
-parser.add_argument("--tis-cap", type=float, default=2.0, help="truncated importance sampling cap on trainer/engine ratios (0: off)")
+parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="for answers the sampler drew from "
+                    "another distribution (its numerics, or stale weights): reweight or mask (rollout.sampler_correction)")
+parser.add_argument("--tis-cap", type=float, default=2.0, help="the cap of token-tis and sequence-tis; sequence-mask keeps [1/cap, cap]")
+parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities differ by more than this")
+parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: weight of prime-rl's squared log-ratio to the sampler")
+parser.add_argument("--staleness", type=int, default=0, help="sample with the weights of this many steps back (an experiment; 0: on-policy)")
+parser.add_argument("--off-policy", action="store_true", help="one-step-off-policy: sample the next batch (in a thread, from "
+                    "a snapshot of the weights) while this one trains")
 parser.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True, help="drop groups with equal rewards and sample more (DAPO)")
 parser.add_argument("--max-resample", type=int, default=3, help="extra sampling rounds per step for dynamic sampling")
 parser.add_argument("--mask-truncated", action="store_true", help="answers cut off at the length limit give no gradient")
@@ -104,6 +118,7 @@ parser.add_argument("--eval-problems", type=int, default=200, help="held-out pro
 parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 parser.add_argument("--save-every", type=int, default=20)
 parser.add_argument("--resume", action="store_true")
+add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
 # ------------------------------------------------------------------------------------------------
@@ -132,6 +147,17 @@ def group_advantages(rewards, group_size, scale="group", estimator="grpo", eps=1
     elif scale != "none":
         raise ValueError(f"unknown scale {scale!r}")
     return adv.masked_fill(flat, 0.0).view(-1).float()
+
+
+def step_advantages(rewards, group_size, scale, estimator):
+    """group_advantages of this rank's answers, where scale="batch" divides by the std of the rewards of
+    the WHOLE batch, every rank's answers (global_mean_var), not only this rank's.
+    Example, one rank, G = 2: rewards [1, 0, 1, 1] -> group means 0.5, 1; batch std sqrt(0.1875) = 0.4330:
+    advantages +1.1547, -1.1547, 0, 0."""
+    if scale != "batch":
+        return group_advantages(rewards, group_size, scale=scale, estimator=estimator)
+    _, var = global_mean_var(rewards)
+    return group_advantages(rewards, group_size, scale="none", estimator=estimator) / (var ** 0.5 + 1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -212,7 +238,7 @@ def loss_normalizer(mask, agg):
 # ------------------------------------------------------------------------------------------------
 # The update
 
-def update_policy(model, optimizer, batch, *, old_logp, advantages, ref_logp, tis, step, args):
+def update_policy(model, optimizer, batch, *, old_logp, advantages, ref_logp, weights, step, args):
     """--ppo-epochs passes over one batch of rollouts, each split into --minibatches optimizer steps, each
     minibatch into forward passes of at most --micro-batch-tokens tokens. The loss of a pass: the clipped
     objective (policy_loss), minus --entropy-coef times the entropy, plus --kl-beta times the KL to the
@@ -220,6 +246,7 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, ref_logp, ti
     so the split into passes and ranks cannot change the gradient. After each optimizer step the approximate
     KL between the sampling policy and the current one is measured over all ranks; past --target-kl the
     remaining updates of this batch are skipped (every rank sees the same number, so every rank stops).
+    advantages: (B,) one per answer, or (B, T) one per token; weights: the sampler correction (B, T) or None.
     args: the parsed flags above. Returns sums over this rank's tokens and the updates' statistics."""
     mask = batch.mask
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -247,10 +274,14 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, ref_logp, ti
                             logp, entropy = model(x, y, with_entropy=True, **logits_settings)
                         else:
                             logp = model(x, y, **logits_settings)
-                    loss, st = policy_loss(logp, old_logp[i, :cols], advantages[i], m, args.eps_low, args.eps_high,
+                    adv = advantages[i] if advantages.dim() == 1 else advantages[i, :cols]
+                    loss, st = policy_loss(logp, old_logp[i, :cols], adv, m, args.eps_low, args.eps_high,
                                            dual_clip=args.dual_clip, level=args.level, agg=args.agg,
                                            loss_type=args.loss, normalizer=norm, max_len=args.max_new_tokens,
-                                           weights=None if tis is None else tis[i, :cols])
+                                           weights=None if weights is None else weights[i, :cols])
+                    if args.correction == "token-mask" and args.mask_kl_coef > 0:  # prime-rl: pull towards the sampler
+                        log_ratio = logp - batch.engine_logp[i, :cols]
+                        loss = loss + args.mask_kl_coef * (log_ratio ** 2 * m).sum() / n_tokens
                     if args.entropy_coef > 0:  # a bonus for spread-out distributions: subtract the entropy
                         loss = loss - args.entropy_coef * (entropy * m).sum() / n_tokens
                     if ref_logp is not None:  # the KL penalty to the frozen start, token-mean
@@ -309,7 +340,7 @@ def overlong_penalty(length, max_len, buffer, penalty=1.0):
 
 def main():
     import memory
-    from chat_eval import evaluate_chat
+    from chat_eval import heldout_scores
     from engine import Engine
     from model import load_config
     from rewards import Grader
@@ -347,14 +378,15 @@ def main():
     policy, graders = memory.Shape.of(load_config(init)), memory.grader_shapes(args.reward)
     prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
     memory.check(memory.estimate(
-        trained=[policy], frozen=[policy] * (args.kl_beta > 0) + graders, world_size=dist.world_size, fsdp=args.fsdp,
+        trained=[policy], frozen=[policy] * (args.kl_beta > 0 and not args.lora_rank) + graders, lora_rank=args.lora_rank, world_size=dist.world_size, fsdp=args.fsdp,
         micro_batch_tokens=min(args.micro_batch_tokens, -(-local_prompts * G // args.minibatches) * (prompt_len + args.max_new_tokens)),
         graded_tokens=min(args.micro_batch_tokens, -(-local_prompts * G // args.minibatches) * args.max_new_tokens),
         cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing, sample_rows=local_prompts * G,
         sample_tokens=prompt_len + args.max_new_tokens), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
+                       fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     args.lr = learning_rate(args.lr, "rl", unwrap(model).config)
     optimizer = make_optimizer(model, args.lr)
@@ -366,8 +398,8 @@ def main():
     elif dist.is_main and os.path.exists(log.path):
         os.remove(log.path)
     ref_model = None
-    if args.kl_beta > 0:  # the frozen start, in the compute dtype; with beta = 0 it is not even loaded
-        ref_model = load_model(init, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
+    if args.kl_beta > 0:  # the frozen start (compute dtype; LoRA: the adapters off); with beta = 0 not even loaded
+        ref_model = reference_model(model, init, args.fsdp)
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -377,21 +409,18 @@ def main():
 
     def evaluate(step):
         t0 = time.time()
-        greedy = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, use_tools=args.tools)
-        sampled = evaluate_chat(model, tok, eval_rows, num_samples=args.pass_k, max_new_tokens=args.max_new_tokens,
+        scores = heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=step,
                                 use_tools=args.tools)
-        scores = {"pass@1": greedy["pass@1"], "format_rate": greedy["format_rate"], "stop_rate": greedy["stop_rate"],
-                  **{f"{k}_t{args.temperature:g}": v for k, v in sampled.items() if k.startswith("pass@")}}
         print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
-    def sample_round(step, round_, n):
+    def sample_round(sampler, step, round_, n):
         """n prompts' groups, graded: a pure function of (seed, step, round, rank), so a resumed run samples
         what the uninterrupted one would, and ranks draw different prompts."""
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + round_ * 17 + dist.rank)
         batch_rows = [rows[i] for i in torch.randint(len(rows), (n,), generator=g).tolist()]
-        rollouts = sample(engine, batch_rows, grader, samples_per_prompt=G, seed=int(g.initial_seed()) % 2**31,
+        rollouts = sample(sampler, batch_rows, grader, samples_per_prompt=G, seed=int(g.initial_seed()) % 2**31,
                           **sampling)
         if args.overlong_buffer:  # DAPO's soft overlong punishment, part of the reward
             shaping = torch.tensor([overlong_penalty(len(c.tokens), args.max_new_tokens, args.overlong_buffer,
@@ -400,6 +429,16 @@ def main():
             rollouts.rewards = rollouts.rewards + shaping
         return rollouts
 
+    def sample_step(sampler, step):
+        """The rollouts of one step, dynamic sampling included, drawn by `sampler` (whose weights are built
+        once for all the rounds)."""
+        with sampler.prepared():
+            return dynamic_sampling(lambda round_, n: sample_round(sampler, step, round_, n), local_prompts,
+                                    1 + (args.max_resample if args.dynamic_sampling else 0))
+
+    snapshots = collections.deque()  # --staleness: engines over the weights of the last steps, oldest first
+    pending = None                   # --off-policy: the next step's rollouts, being sampled in a thread
+    sampler_thread = ThreadPoolExecutor(max_workers=1) if args.off_policy else None
     final_scores = None
     if start_step == 0 and eval_rows:  # every rank evaluates its share
         final_scores = evaluate(0)
@@ -410,20 +449,27 @@ def main():
         lr = lr_at(step, args.steps, args.lr, args.warmup_steps, final_ratio=1.0)  # warmup, then constant
         set_lr(optimizer, lr)
 
-        # 1. rollouts: this rank's prompts, G answers each, graded (dynamic sampling: mixed groups only)
-        with engine.prepared():  # the sampler's weights are built once for all the rounds of this step
-            rollouts, groups = dynamic_sampling(lambda round_, n: sample_round(step, round_, n), local_prompts,
-                                                1 + (args.max_resample if args.dynamic_sampling else 0))
+        # 1. rollouts: this rank's prompts, G answers each, graded (dynamic sampling: mixed groups only);
+        #    staleness = how many updates the sampling weights are behind the weights this batch trains
+        if args.off_policy:  # this batch was sampled while the last one trained, by the weights before it
+            rollouts, groups = pending.result() if pending is not None else sample_step(engine, step)
+            staleness = int(pending is not None)
+            pending = sampler_thread.submit(sample_step, engine.snapshot(), step + 1) if step + 1 < args.steps else None
+        elif args.staleness:  # an experiment: sample with the weights of --staleness steps back
+            snapshots.append(engine.snapshot())
+            if len(snapshots) > args.staleness + 1:
+                snapshots.popleft()
+            rollouts, groups = sample_step(snapshots[0], step)
+            staleness = len(snapshots) - 1
+        else:
+            rollouts, groups = sample_step(engine, step)
+            staleness = 0
         t_sample = time.time() - t_step
 
         # 2. advantages (one per answer, relative to its group), the tensors, and the snapshot of the
         #    policy that sampled (and of the reference), before any update on this batch
         t1 = time.time()
-        if args.scale == "batch":  # the batch's std spans every rank's answers
-            _, var = global_mean_var(rollouts.rewards)
-            adv = group_advantages(rollouts.rewards, G, scale="none", estimator=args.estimator) / (var ** 0.5 + 1e-6)
-        else:
-            adv = group_advantages(rollouts.rewards, G, scale=args.scale, estimator=args.estimator)
+        adv = step_advantages(rollouts.rewards, G, args.scale, args.estimator)
         batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device, args.mask_truncated)
         adv = adv.to(device)
         mask = batch.mask
@@ -431,11 +477,12 @@ def main():
         old_logp, entropy = batch_logprobs(model, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
         ref_logp = None if ref_model is None else batch_logprobs(ref_model, batch, args.micro_batch_tokens,
                                                                  **logits_settings)
-        tis = tis_weights(old_logp, batch.engine_logp, args.tis_cap) if args.tis_cap > 0 else None
+        weights = sampler_correction(old_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap,
+                                     eps=args.mask_eps)
 
         # 3. the update: --ppo-epochs passes of --minibatches optimizer steps on this batch
         totals = update_policy(model, optimizer, batch, old_logp=old_logp, advantages=adv, ref_logp=ref_logp,
-                               tis=tis, step=step, args=args)
+                               weights=weights, step=step, args=args)
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
@@ -459,11 +506,18 @@ def main():
             "length_mean": s["length_sum"] / n_ans,
             "length_max": max(len(c.tokens) for c in rollouts.completions),
             "truncated_frac": s["truncated"] / n_ans,
-            "tool_use_rate": s["tool_answers"] / n_ans,
+            "tool_use_rate": s["tool_answers"] / n_ans,  # answers that called a tool
+            "tool_turns": s["tool_calls"] / n_ans,  # tool-calling turns per answer
+            "tool_errors": s["tool_errors"] / n_ans,  # tool results that were errors, per answer
+            "accuracy_with_tool": s["correct_with_tool"] / max(1.0, s["tool_answers"]),
+            "accuracy_without_tool": (s["correct"] - s["correct_with_tool"]) / max(1.0, n_ans - s["tool_answers"]),
             "flat_group_frac": all_reduce_sum(float(groups["flat"])) / max(1.0, all_reduce_sum(float(groups["groups"]))),
             "logprob_mismatch": all_reduce_sum(float(((old_logp - batch.engine_logp).abs() * mask).sum())) / n_tok,
             "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
             "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
+            "staleness": staleness,
+            "correction_mean": all_reduce_sum(float(weights.sum())) / n_tok,  # the sampler correction's mean weight
+            "masked_frac": all_reduce_sum(float(((weights == 0) & (mask > 0)).sum())) / n_tok,
             "lr": lr,
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
@@ -486,13 +540,14 @@ def main():
         if over_budget:
             print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
             break
+    if sampler_thread is not None:
+        sampler_thread.shutdown(wait=True)  # a batch still being sampled for a step that will not run
 
     if eval_rows:
         scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(args.steps)
         if dist.is_main:
             write_eval(out_dir, scores)
     log.close()
-    cleanup_dist()
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ import os
 import torch
 import torch.nn.functional as F
 
-from common import (IGNORE, MetricsLogger, UserError, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
-                    check_finite, cleanup_dist, dist_info, epoch_batch, idle_pass, init_dist, learning_rate, load_model,
-                    load_training_state, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step,
-                    pack_sequences, peak_memory_mb, print0, print_config, progress, resolve_model_path,
-                    resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model,
-                    write_eval)
+from common import (IGNORE, MetricsLogger, UserError, add_lora_flags, all_gather_objects, all_reduce_dict,
+                    all_reduce_max, autocast, check_finite, dist_info, epoch_batch, idle_pass, init_dist,
+                    learning_rate, load_model, load_training_state, lora_options, lr_at, make_optimizer, micro_batches,
+                    nanopost_home, no_sync, optimizer_step, pack_sequences, peak_memory_mb, print0, print_config,
+                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
+                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
 from rewards import score
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
@@ -68,6 +68,7 @@ parser.add_argument("--eval-every", type=int, default=100, help="steps between h
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--compile", action="store_true")
+add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,9 +250,10 @@ def main():
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], micro_batch_tokens=args.micro_batch_tokens,
                                  world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-                                 grad_checkpointing=args.grad_checkpointing), device)  # know before you OOM
+                                 grad_checkpointing=args.grad_checkpointing, lora_rank=args.lora_rank), device)  # know before you OOM
     # a fresh score head starts at 0: every reward 0 at step 0
-    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp)  # float32 master weights
+    # float32 master weights (LoRA: a frozen base in the compute dtype, float32 adapters and score head)
+    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt)))
     model.grad_checkpointing = args.grad_checkpointing
     if args.lm_coef:
         attach_vocab_head(model, init)
@@ -328,7 +330,6 @@ def main():
     if dist.is_main:
         write_eval(out_dir, ev)
     log.close()
-    cleanup_dist()
 
 
 if __name__ == "__main__":

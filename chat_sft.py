@@ -14,6 +14,7 @@ its own (positions restart, attention never crosses), or padded one per row with
     python chat_sft.py                                              # 1 CPU, the embedded world
     python chat_sft.py --data my.jsonl --init /models/Qwen3-0.6B-Base --device cuda   # 1 GPU
     torchrun --standalone --nproc_per_node=8 chat_sft.py --data my.jsonl --init ...  # N GPUs
+    python chat_sft.py --data my.jsonl --init /models/Qwen3-8B-Base --device cuda --lora-rank 32 --lr 1e-4  # LoRA
 
 Data: --data FILE.jsonl with rows {"messages": [...], "tools": [...]?}; validated before any model
 is loaded. Writes $NANOPOST_HOME/sft/<run>/ (checkpoints/, metrics.jsonl, eval.json).
@@ -24,11 +25,11 @@ import os
 
 import torch
 
-from common import (IGNORE, MetricsLogger, UserError, all_reduce_sum, autocast, check_finite, cleanup_dist, epoch_batch,
-                    heldout_loss, init_dist, learning_rate, load_model, load_training_state, lr_at, make_batch,
-                    make_optimizer, nanopost_home, no_sync, optimizer_step, pack_bfd, peak_memory_mb, print0,
-                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
-                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+from common import (IGNORE, MetricsLogger, UserError, add_lora_flags, all_reduce_sum, autocast, check_finite,
+                    epoch_batch, heldout_loss, init_dist, learning_rate, load_model, load_training_state,
+                    lora_options, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step, pack_bfd,
+                    peak_memory_mb, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
+                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
@@ -45,7 +46,7 @@ parser.add_argument("--overlong", choices=["drop", "crop"], default="drop", help
 parser.add_argument("--seq-len", type=int, default=512, help="tokens per row")
 parser.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step, all ranks together")
 parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass")
-parser.add_argument("--epochs", type=float, default=1.0)
+parser.add_argument("--epochs", type=float, default=2.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-3 on the embedded world, 1e-5 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=10)
@@ -55,13 +56,16 @@ parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
 parser.add_argument("--eval-problems", type=int, default=200, help="embedded-world held-out problems sampled at the end (and at --sample-every); 0: none")
 parser.add_argument("--sample-every", type=int, default=0, help="steps between sampling evals (0: only at the end)")
-parser.add_argument("--max-new-tokens", type=int, default=192)
+parser.add_argument("--max-new-tokens", type=int, default=256)
+parser.add_argument("--pass-k", type=int, default=4, help="held-out pass@1..k at temperature 1, besides greedy (0: greedy only)")
+parser.add_argument("--tools", action="store_true", help="evaluate with the calculator offered (as chat_rl.py --tools)")
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
 parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
 parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--compile", action="store_true")
+add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
 # ------------------------------------------------------------------------------------------------
@@ -123,7 +127,7 @@ def build_rows(examples, seq_len, packing):
 
 def main():
     import memory
-    from chat_eval import evaluate_chat
+    from chat_eval import heldout_scores
     from model import load_config
     from tasks import load_sft, overlap_warning, rl_prompts, sft_conversations
     from tokenizer import Tokenizer
@@ -147,7 +151,7 @@ def main():
         train_rows = train_rows[:len(train_rows) - len(val_rows)]
     else:
         val_rows = sft_conversations("val", args.num_val, seed=args.seed)
-    # greedy pass@1 on held-out problems: the embedded world's (a user's SFT rows have no answer key)
+    # pass@1 on held-out problems: the embedded world's (a user's SFT rows have no answer key)
     eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
         print0(warning)
@@ -176,9 +180,11 @@ def main():
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], world_size=dist.world_size,
                                  micro_batch_tokens=args.device_batch_size * args.seq_len, fsdp=args.fsdp,
-                                 cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing), device)
+                                 cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing,
+                                 lora_rank=args.lora_rank), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
+                       fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     args.lr = learning_rate(args.lr, "sft", unwrap(model).config)
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
@@ -222,22 +228,23 @@ def main():
             if dist.is_main:
                 bar.write(f"step {step + 1}: loss {loss_sum:.4f}  val {metrics['val_loss']:.4f}")
         if args.sample_every and (step + 1) % args.sample_every == 0 and eval_rows:
-            scores = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens)
+            scores = heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=0,
+                                    use_tools=args.tools)
             metrics.update({f"eval/{k}": round(v, 4) for k, v in scores.items()})
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{loss_sum:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
-    # held-out: the validation loss, and (on the embedded world) greedy answers graded, every rank its share
-    scores = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens) if eval_rows else {}
+    # held-out: the validation loss, and (on the embedded world) answers graded, every rank its share
+    scores = heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
+                            use_tools=args.tools) if eval_rows else {}
     scores["val_loss"] = heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len, args.packing, device)
     print0("held-out: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
     log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
     if dist.is_main:
         write_eval(out_dir, scores)
     log.close()
-    cleanup_dist()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ Modes:
 
     python benchmarks/bench_engine_memory.py engine [--dtype float32|bfloat16] [--prompts 8] [--samples 8]
                                              [--prompt-len 64] [--new-tokens 256] [--layers 28]
+    python benchmarks/bench_engine_memory.py engine --repo /tmp/before     # another checkout's engine
 
 Peak process memory is the high-water mark of resident memory (VmHWM), reset once the model is built and
 the code measured has run once on a tiny input (libraries and kernels loaded), minus the resident memory
@@ -17,6 +18,7 @@ at that moment: what the measured code adds on top of the model. One configurati
 nothing from an earlier measurement is counted.
 """
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -24,7 +26,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# --repo DIR measures another checkout's engine (the code before a change): its modules come first
+_repo = sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.abspath(_repo))
 from engine import Engine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -62,7 +66,12 @@ def measure_engine(args):
     torch.manual_seed(0)
     model = GPT(cfg).eval()
     prompts = torch.randint(1, cfg.vocab_size, (args.prompts, args.prompt_len)).tolist()
-    engine = Engine(model, NoStopTokenizer(), dtype=dtype)
+    if "dtype" in inspect.signature(Engine).parameters:
+        engine = Engine(model, NoStopTokenizer(), dtype=dtype)
+    elif dtype != torch.float32:
+        raise SystemExit(f"{_repo}: this engine has no dtype (it samples in the model's float32)")
+    else:
+        engine = Engine(model, NoStopTokenizer())
     rows = args.prompts * args.samples
     cache_mib = (2 * cfg.n_layer * rows * cfg.n_kv_head * (args.prompt_len + args.new_tokens) * cfg.head_dim
                  * dtype.itemsize / 2**20)
@@ -89,6 +98,7 @@ if __name__ == "__main__":
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--repo", default=None, help="measure the engine of this checkout (e.g. the code before a change)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -23,10 +23,10 @@ stage() {  # stage NAME command...: run one stage, timed
 
 t_all=$SECONDS
 stage "tokenizer + base model" $PY base_train.py
-stage "SFT" $PY chat_sft.py
+stage "SFT" $PY chat_sft.py --tools
 stage "reward model" $PY chat_rm.py
-stage "DPO" $PY chat_dpo.py
-stage "RL (GRPO family, 2 ranks)" $PY -m torch.distributed.run --standalone --nproc_per_node=2 chat_rl.py --time-budget 180
-stage "PPO" $PY chat_ppo.py
+stage "DPO" $PY chat_dpo.py --tools
+stage "RL (GRPO family, 2 ranks)" $PY -m torch.distributed.run --standalone --nproc_per_node=2 chat_rl.py --tools --time-budget 180
+stage "PPO" $PY chat_ppo.py --tools --time-budget 150
 echo; echo "pipeline done in $((SECONDS - t_all)) s"
 $PY chat_eval.py --report

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from chat_dpo import (completion_example, completion_logps, dpo_loss, kto_items, kto_loss, on_policy_rows, orpo_loss,
-                      pair_items, pairs_of_singles, reference_logps)
+from chat_dpo import (completion_example, completion_logps, dpo_loss, dpo_micro_loss, kto_items, kto_loss, kto_micro_loss,
+                      on_policy_rows, orpo_loss, orpo_micro_loss, pair_items, pairs_of_singles, reference_logps)
 from chat_eval import paired_change
 from common import IGNORE
 from model import GPT, GPTConfig
@@ -22,11 +22,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T = torch.tensor
 
 
-def test_seed_beta_table():
+def test_dpo_beta_worked_table():
     # (chosen log-ratio, rejected log-ratio) -> margin +1.40, -0.20, -2.60
     examples = [(0.80, -0.60), (-0.10, 0.10), (-1.20, 1.40)]
     table = {0.1: ([0.6256, 0.7032, 0.8316], [0.0465, 0.0505, 0.0565]),
              0.5: ([0.4032, 0.7444, 1.5410], [0.1659, 0.2625, 0.3929])}
+    push = {}
     for beta, (losses, grads) in table.items():
         pc = T([c for c, _ in examples], requires_grad=True)
         out, rc, rr = dpo_loss(pc, T([r for _, r in examples]), torch.zeros(3), torch.zeros(3), beta=beta)
@@ -34,7 +35,11 @@ def test_seed_beta_table():
         out.sum().backward()  # d loss / d log pi(chosen) = d loss / d margin: the table's |gradient|
         torch.testing.assert_close(pc.grad.abs(), T(grads), atol=5e-5, rtol=0)
         torch.testing.assert_close(rc - rr, beta * T([1.4, -0.2, -2.6]))
-    assert abs(0.3929 / 0.0465 - 8.45) < 0.01 and abs(0.3929 / 0.1659 - 2.37) < 0.01
+        push[beta] = pc.grad.abs()
+    # within a beta, the backwards pair is pushed 1.21x (0.1) or 2.37x (0.5) harder than the right one; the
+    # backwards pair at 0.5 is pushed 8.45x harder than the right one at 0.1
+    assert abs(push[0.1][2] / push[0.1][0] - 1.214) < 0.01 and abs(push[0.5][2] / push[0.5][0] - 2.368) < 0.01
+    assert abs(push[0.5][2] / push[0.1][0] - 8.45) < 0.02
 
 
 # one pair: policy log-probs -5 / -9, reference -6 / -7 -> log-ratios +1 / -2, margin 3; lengths 10 / 20
@@ -191,6 +196,82 @@ def test_on_policy_pairs_a_correct_with_an_incorrect_answer(tok, monkeypatch):
     assert rows[1]["prompt"] == prompts[2]["prompt"]
 
 
+def summed_logps(m, examples):
+    """Each example alone: log softmax of the full logits, summed over its graded targets, and their count
+    (written here, not with completion_logps)."""
+    sums, counts = [], []
+    for x, y in examples:
+        logp = torch.log_softmax(m(T([x]))[0].float(), -1)
+        graded = [(t, tgt) for t, tgt in enumerate(y) if tgt != IGNORE]
+        sums.append(torch.stack([logp[t, tgt] for t, tgt in graded]).sum())
+        counts.append(float(len(graded)))
+    return torch.stack(sums), T(counts)
+
+
+def test_orpo_micro_loss_is_the_odds_ratio_term_plus_the_chosen_answers_nll(tok):
+    items, _ = pair_items(tok, preference_pairs("train", 4), 1024)
+    m = tiny_model(tok)
+    chosen, n_c = summed_logps(m, [c for c, _, _ in items])
+    rejected, n_r = summed_logps(m, [j for _, j, _ in items])
+    log_odds = [(lp / n) - torch.log(1 - torch.exp(lp / n)) for lp, n in ((chosen, n_c), (rejected, n_r))]
+    odds_term = -0.1 * torch.nn.functional.logsigmoid(log_odds[0] - log_odds[1]).mean()   # Hong et al. 2024, eq. 6
+    nll = -chosen.sum() / n_c.sum()                                                        # SFT on the chosen answers
+    loss, stats = orpo_micro_loss(m, items, pad_id=tok.pad_id, capacity=1024, pairs_per_step=len(items),
+                                  chosen_tokens_per_step=float(n_c.sum()), beta=0.1)
+    assert abs(loss.item() - (odds_term + nll).item()) < 1e-4 and nll.item() > 10 * odds_term.item()
+    assert abs(stats["logps/chosen"] - chosen.sum().item()) < 1e-3
+
+
+def test_kto_micro_loss_follows_each_answers_label(tok):
+    rows = preference_pairs("train", 3)
+    items, _ = kto_items(tok, [single for r in rows for single in kto_rows(r)], 1024)
+    m = tiny_model(tok)
+    logps, _ = summed_logps(m, [a for a, _, _ in items])
+    ref = torch.stack([logps.detach() + T([0.8, -0.5, 0.3, -1.2, 0.6, 0.9]), torch.zeros(6)], 1)  # log-ratios -0.8 ...
+    kl, beta = 0.2, 0.1
+    ratio = logps - ref[:, 0]
+    good = T([g for _, _, g in items])
+    assert good.tolist() == [True, False] * 3
+    want = torch.where(good, 1 - torch.sigmoid(beta * (ratio - kl)), 1 - torch.sigmoid(beta * (kl - ratio)))
+    loss, stats = kto_micro_loss(m, items, ref, pad_id=tok.pad_id, capacity=1024, answers_per_step=6, kl=kl, beta=beta,
+                                 desirable_weight=1.0, undesirable_weight=1.0)
+    assert abs(loss.item() - want.mean().item()) < 1e-5 and stats["good"] == 3 and stats["bad"] == 3
+    assert abs(stats["rewards/chosen"] - beta * ratio[good].sum().item()) < 1e-4
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "kto", "orpo"])
+def test_a_few_steps_on_a_separable_toy_push_the_margin_the_right_way(tok, loss_type):
+    """Two pairs, trained on alone for a few AdamW steps with the loop's micro-batch loss: every chosen
+    (good) answer's log-ratio to the start must end above its rejected (bad) partner's."""
+    from common import make_optimizer
+    items, _ = pair_items(tok, preference_pairs("train", 2), 1024)
+    m = tiny_model(tok)
+    start = [summed_logps(m, [c for c, _, _ in items])[0].detach(), summed_logps(m, [j for _, j, _ in items])[0].detach()]
+    ref = torch.stack(start, 1)
+    singles, _ = kto_items(tok, [s for r in preference_pairs("train", 2) for s in kto_rows(r)], 1024)
+    kto_ref = torch.stack([ref.flatten(), ref.flatten()], 1)  # answers in the order chosen, rejected, chosen, ...
+    opt = make_optimizer(m, 3e-3)
+    for _ in range(8):
+        if loss_type == "kto":
+            loss, _ = kto_micro_loss(m, singles, kto_ref, pad_id=tok.pad_id, capacity=1024, answers_per_step=4, kl=0.0,
+                                     beta=0.1, desirable_weight=1.0, undesirable_weight=1.0)
+        elif loss_type == "orpo":
+            loss, _ = orpo_micro_loss(m, items, pad_id=tok.pad_id, capacity=1024, pairs_per_step=2,
+                                      chosen_tokens_per_step=100.0, beta=1.0)
+        else:
+            loss, _ = dpo_micro_loss(m, items, ref, pad_id=tok.pad_id, capacity=1024, pairs_per_step=2,
+                                     chosen_tokens_per_step=1.0, beta=0.1, loss_type="sigmoid")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        chosen = summed_logps(m, [c for c, _, _ in items])[0] - start[0]
+        rejected = summed_logps(m, [j for _, j, _ in items])[0] - start[1]
+    assert torch.all(chosen - rejected > 0.1), (chosen, rejected)
+    if loss_type == "orpo":  # the NLL term raises the chosen answers themselves
+        assert torch.all(chosen > 0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Real runs of chat_dpo.py
 
@@ -245,10 +326,19 @@ def test_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_chat):
 
 
 @pytest.mark.parametrize("loss", ["orpo", "kto"])
-def test_orpo_and_kto_train(tmp_path, tiny_chat, loss):
+def test_orpo_and_kto_train(tmp_path, tiny_chat, tok, loss):
     rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", loss, "--micro-batch-tokens", "100000")
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
-    assert 0 <= ev["pair_accuracy"] <= 1
+    assert len(rows) == 2
+    if loss == "kto":
+        # step 1: the policy is the reference, every log-ratio and the reference point are 0, each answer loses
+        # 1 - sigmoid(0) = 0.5; one AdamW step later the good answers' rewards are above the bad ones', on the
+        # next batch and on held-out pairs (the next batch's loss also moves with its reference point, z0)
+        assert abs(rows[0]["loss"] - 0.5) < 1e-6 and rows[0]["kl"] < 1e-4
+        assert rows[1]["rewards/chosen"] > rows[1]["rewards/rejected"] and ev["rewards/margins"] > 0
+    else:
+        # ORPO's loss is the chosen answers' NLL plus the odds-ratio term (<= beta log 2 at the start): an
+        # untrained model's NLL is near log(vocabulary)
+        assert rows[0]["loss"] > 0.5 * math.log(tok.vocab_size)
 
 
 def test_kto_reads_unpaired_answers(tmp_path, tiny_chat):
@@ -258,8 +348,10 @@ def test_kto_reads_unpaired_answers(tmp_path, tiny_chat):
     data = tmp_path / "kto.jsonl"
     data.write_text("".join(json.dumps(s) + "\n" for s in singles))
     rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", "kto", "--micro-batch-tokens", "100000", "--data", str(data))
-    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
-    assert 0 <= ev["pair_accuracy"] <= 1  # 2 held-out answers (2% of 120): one good, one bad, same prompt
+    assert len(rows) == 2 and abs(rows[0]["loss"] - 0.5) < 1e-6  # the policy starts as the reference
+    # 2 held-out answers (2% of 120): one good, one bad, same prompt; the file's labels followed, the good one
+    # ends above the bad one (inverted labels: -6.5)
+    assert ev["rewards/margins"] > 0 and ev["pair_accuracy"] == 1.0
 
 
 def test_load_kto_and_held_out_pairs(tmp_path):

@@ -49,6 +49,8 @@ def test_cached_greedy_equals_recompute_and_batch_equals_alone(tok, model):
     for p, out in zip(prompts, batched):
         alone = eng.generate([p], max_new_tokens=24, temperature=0.0)[0]
         assert out.tokens == alone.tokens
+        # the log-probs too: a tiny model's argmax survives small errors (a wrong RoPE position) that these show
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
         assert out.tokens == greedy_recompute(model, p, 24, tok.stop_ids)
 
 
@@ -125,7 +127,7 @@ def test_tool_loop_transcript_rerenders_to_the_same_ids(tok, model):
     assert full[:len(prompt)] == prompt
     scripted = ScriptedGPT(tok.vocab_size, full)
     out = Engine(scripted, tok, tools=TOOLS).generate([prompt], max_new_tokens=len(full) - len(prompt), temperature=0.0)[0]
-    assert out.finish_reason == "stop" and out.tool_calls == 1
+    assert out.finish_reason == "stop" and out.tool_calls == 1 and out.tool_errors == 0
     # token in, token out: the rollout IS the rendered conversation, with the tool result computed live
     # (the training render also trains the "\n" after the final <|im_end|>; sampling stops before it)
     assert prompt + out.tokens == full[:-1] and tok.decode(full[-1:]) == "\n"
@@ -148,7 +150,7 @@ def test_bad_tool_call_becomes_an_error_string(tok, model):
     scripted = ScriptedGPT(tok.vocab_size, script)
     out = Engine(scripted, tok, tools=TOOLS).generate([bad], max_new_tokens=len(script), temperature=0.0)[0]
     forced_text = tok.decode([t for t, m in zip(out.tokens, out.mask) if m == 0])
-    assert "error" in forced_text and out.tool_calls == 1
+    assert "error" in forced_text and out.tool_calls == 1 and out.tool_errors == 1  # counted, for the logs
     assert tok.decode(out.tokens).endswith("<|im_end|>")
 
 
@@ -184,7 +186,10 @@ def test_sampler_draws_from_the_processed_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, float("-inf"), 0.5]]).expand(40000, 6).contiguous()
     gen = torch.Generator().manual_seed(0)
     tok, lp = sample_next(logits, 0.7, 4, None, torch.rand(40000, generator=gen, dtype=torch.float64))
-    probs = process_logits(logits[:1], 0.7, 4).softmax(-1)[0]
+    # the reference from the definition: softmax(logits / 0.7) over the 4 largest logits, 0 elsewhere
+    top4 = torch.tensor([2.0, 1.0, 0.0, float("-inf"), float("-inf"), 0.5])
+    probs = torch.softmax(top4 / 0.7, -1)
+    torch.testing.assert_close(process_logits(logits[:1], 0.7, 4).softmax(-1)[0], probs)
     freq = torch.bincount(tok, minlength=6).float() / len(tok)
     assert freq[4] == 0 and freq[3] == 0  # -inf, and outside the top 4
     torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)  # 40k draws: a standard error <= 0.0025

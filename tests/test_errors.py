@@ -2,6 +2,7 @@
 (under torchrun too: rank 0 prints it); a bug of ours keeps its traceback."""
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -119,6 +120,26 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_publishes_nothing(tmp_p
     assert "no room to write the checkpoint" in msg and "step_000002" in msg
     assert not os.path.exists(tmp_path / "sft" / "default" / "checkpoints" / "step_000002")
     assert not os.path.exists(tmp_path / "sft" / "default" / "checkpoints" / "step_000002.tmp")
+
+
+
+def test_a_run_that_cannot_fit_is_one_line_before_any_weight_is_read(tmp_path, tiny_chat):
+    """A folder holding only the config of a 64-layer, 5120-wide model (~25B parameters) and a tokenizer: SFT
+    refuses it from the estimate, naming the estimate and what this machine has, without reading a weight
+    (there are none to read)."""
+    import shutil
+    big = tmp_path / "big"
+    big.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny_chat, name), big / name)
+    with open(os.path.join(tiny_chat, "config.json")) as f:
+        config = json.load(f)
+    config.update(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                  num_key_value_heads=8, head_dim=128)
+    (big / "config.json").write_text(json.dumps(config))
+    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", str(big), "--steps", "1", "--num-train", "8",
+                             "--eval-problems", "0"))
+    assert re.search(r"needs about [\d.]+ GiB per device .* cpu has [\d.]+ GiB available", msg), msg
 
 
 def test_a_bug_of_ours_keeps_its_traceback(tmp_path):

@@ -12,6 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from chat_ppo import (adaptive_kl_beta, explained_variance, gae, ppo_losses, token_rewards, value_loss, whiten)
+from common import cleanup_dist
 from rollout import training_batch
 from engine import Completion
 from model import GPT, GPTConfig
@@ -33,7 +34,7 @@ SEED_V = [0.50, 0.55, 0.60, 0.70, 0.80]
 SEED_A = [0.436389, 0.406725, 0.375500, 0.290000, 0.200000]
 
 
-def test_gae_seed_table():
+def test_gae_worked_table():
     adv, ret = gae(torch.tensor([SEED_R]), torch.tensor([SEED_V]), torch.ones(1, 5), gamma=1.0, lam=0.95)
     for got, want in zip(adv[0], SEED_A):
         assert close(got, want)
@@ -238,8 +239,7 @@ def _rank(rank, world, init_file, out_dir):
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4
     g = grads_of(prompts, [comps[i] for i in mine], scores[mine])
     torch.save(g, os.path.join(out_dir, f"grad{rank}.pt"))
-    dist.barrier()  # no rank tears gloo down while the other still talks to it (seen: SIGABRT)
-    dist.destroy_process_group()
+    cleanup_dist()  # collects the DDP wrapper first (else gloo can abort at teardown)
 
 
 def test_two_ranks_with_uneven_lengths_equal_one_rank(tmp_path):
@@ -303,7 +303,13 @@ def test_loop_runs_with_critic_from_rm(tmp_path, tiny_chat, tok):
         assert all(k in r and math.isfinite(r[k]) for k in LOGGED), sorted(set(LOGGED) - set(r))
         assert r["logprob_mismatch"] < 1e-4                       # engine and trainer agree
     assert steps[0]["value_mean"] != 0                            # the RM's head, not a fresh one
-    assert steps[1]["kl_beta"] != 0.05                            # the adaptive controller moved beta
+    # the adaptive controller: after each step, beta <- beta (1 + clip(KL / target - 1, +-0.2) x answers / horizon),
+    # KL per answer against the target 1.0, 8 answers per step over a horizon of 100
+    beta = 0.05
+    for r in steps:
+        beta *= 1 + max(-0.2, min(0.2, r["kl_per_answer"] / 1.0 - 1)) * 8 / 100
+        assert abs(r["kl_beta"] - beta) < 1e-9, (r["kl_beta"], beta)
+    assert steps[1]["kl_beta"] != 0.05
     assert steps[1]["ratio_mean"] != 1.0                          # the actor trained on step 2, 2 epochs
     assert rows[-1]["eval/pass@1"] >= 0 and "eval/pass@1_t1" in rows[-1]
     assert os.path.isfile(tmp_path / "ppo" / "default" / "eval.json")
@@ -317,3 +323,16 @@ def test_loop_on_two_ranks_without_rm_and_time_budget(tmp_path, tiny_chat):
     assert [r["step"] for r in steps] == [1]                      # the budget stopped it after one step
     assert steps[0]["value_mean"] == 0                            # a fresh value head predicts 0
     assert "eval/pass@1" in steps[0]
+
+
+def test_target_kl_stops_every_rank_at_the_same_update_and_each_reward_part_is_logged(tmp_path, tiny_chat):
+    """--target-kl on 2 ranks: each step's first update sees the sampling policy itself (approximate KL 0),
+    the second one a policy moved by one step, past 1e-9: the remaining updates are skipped, on both ranks
+    alike (the KL is all-reduced, or the ranks would wait in different collectives). A random model's
+    answers all score 0, so the entropy bonus is what moves it. --reward's weighted sum is logged part by part."""
+    rows, _ = ppo_run(tmp_path, tiny_chat, "--ppo-epochs", "2", "--minibatches", "2", "--freeze-actor-steps", "0", "--warmup-steps", "0", "--entropy-coef", "0.1",
+                      "--target-kl", "1e-9", "--reward", "verifier+0.5*format", nproc=2)
+    steps = [r for r in rows if "reward" in r]
+    assert len(steps) == 2 and all(r["updates"] == 2 for r in steps)  # of the 4 that 2 epochs x 2 minibatches make
+    for r in steps:
+        assert math.isclose(r["reward"], r["reward/verifier"] + 0.5 * r["reward/format"], abs_tol=1e-6)

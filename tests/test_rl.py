@@ -1,4 +1,4 @@
-"""chat_rl.py: the seeds' tables for advantages, clipping, GSPO, CISPO, KL, truncated IS and pass@k;
+"""chat_rl.py: worked tables (inputs and outputs written in the tests) for advantages, clipping, GSPO, CISPO, KL, truncated IS and pass@k;
 the loss mask of a rollout; 2 gloo ranks with uneven lengths equal one rank; the real loop runs."""
 import json
 import math
@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 
 from chat_eval import pass_at_k
 from chat_rl import group_advantages, loss_normalizer, overlong_penalty, policy_loss
-from common import all_reduce_sum, micro_batches
+from common import all_reduce_sum, cleanup_dist, micro_batches
 from rollout import kl_penalty, tis_weights, training_batch
 from engine import Completion
 from model import GPT, GPTConfig
@@ -28,7 +28,7 @@ def close(a, b, tol=5e-5):
 # ------------------------------------------------------------------------------------------------
 # Advantages
 
-def test_grpo_and_dr_grpo_advantages_seed_table():
+def test_grpo_and_dr_grpo_advantages_worked_table():
     r = torch.tensor([1., 0, 0, 1, 0, 1, 0, 0])
     a = group_advantages(r, 8)
     assert close(a[0], 1.2910) and close(a[1], -0.7746)
@@ -49,12 +49,19 @@ def test_near_uniform_group_is_sane_and_uniform_group_is_exactly_zero():
     assert torch.all(b == 0.0)
 
 
-def test_equal_rewards_give_exactly_zero_gradient():
+def test_equal_rewards_give_exactly_zero_gradient_and_mixed_ones_the_weighted_gradient():
     logp = torch.randn(8, 5, requires_grad=True)
     adv = group_advantages(torch.ones(8), 8)
     loss, _ = policy_loss(logp, logp.detach() + 0.1, adv, torch.ones(8, 5))
     loss.backward()
     assert torch.all(logp.grad == 0)
+    # mixed rewards: ratio exp(-0.1) = 0.9048 (inside the clip range), token-mean over 40 tokens, so
+    # d loss / d logp[b, t] = -ratio * A_b / 40, with A_b = (r_b - 0.375) / 0.4841 written out here
+    r = torch.tensor([1., 0, 0, 1, 0, 1, 0, 0])
+    want_adv = (r - 0.375) / math.sqrt(0.375 * 0.625)
+    logp.grad = None
+    policy_loss(logp, logp.detach() + 0.1, group_advantages(r, 8), torch.ones(8, 5))[0].backward()
+    torch.testing.assert_close(logp.grad, (-math.exp(-0.1) * want_adv / 40)[:, None].expand(8, 5), atol=1e-6, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -81,7 +88,6 @@ def test_clip_higher_table():
     at_028 = per_token_objectives(0.28)
     changed = [t for t in range(5) if not close(at_02[t], at_028[t], 1e-9)]
     assert changed == [2] and close(at_028[2], 1.28)       # exactly one token moves: the rare t3
-    assert close(0.1003 * 1.2, 0.1203, 1e-4) and close(0.1003 * 1.28, 0.1283, 1e-4)
 
 
 def test_clipped_token_has_no_gradient_in_ppo_but_keeps_it_in_cispo():
@@ -105,13 +111,13 @@ def test_dual_clip_bounds_negative_advantages():
 # ------------------------------------------------------------------------------------------------
 # GSPO: the sequence ratio table, and two sequences of different lengths (trl#3823)
 
-def test_gspo_sequence_ratio_seed_table():
+def test_gspo_sequence_ratio_worked_table():
     old = torch.tensor([[-0.10, -0.20, -0.05, -2.50, -0.15]])
     new = torch.tensor([[-0.12, -0.18, -0.07, -1.60, -0.16]])
-    assert close((new - old).sum(), 0.87)
     _, st = policy_loss(new, old, torch.tensor([1.0]), torch.ones(1, 5), level="sequence")
-    assert close(st["ratio_mean"], 1.1901, 1e-4)
-    assert close(math.exp(0.87), 2.3869, 1e-4)
+    assert close(st["ratio_mean"], 1.1901, 1e-4) and st["clip_frac"] == 0    # exp(0.87 / 5): inside the range
+    _, tok_st = policy_loss(new, old, torch.tensor([1.0]), torch.ones(1, 5), level="token")
+    assert close(tok_st["clip_frac"], 1 / 5)                                 # the 4th token's 2.4596 is clipped
 
 
 def test_gspo_two_sequences_of_different_lengths():
@@ -146,7 +152,7 @@ def test_aggregations_normalize_as_documented():
 # ------------------------------------------------------------------------------------------------
 # KL, truncated importance sampling, overlong shaping, pass@k
 
-def test_kl_seed_table():
+def test_kl_worked_table():
     now, start = torch.tensor([-0.10, -0.50, -1.20]), torch.tensor([-0.30, -0.60, -2.00])
     assert close(kl_penalty(now, start, "k1").mean(), 0.3667)
 
@@ -171,10 +177,10 @@ def test_kl_estimator_gradients_against_the_analytic_kl():
     assert not torch.allclose(forward_kl, reverse_kl, atol=1e-3)
 
 
-def test_truncated_importance_sampling_seed_table():
+def test_truncated_importance_sampling_worked_table():
     rollout = torch.tensor([-0.500, -1.200, -0.050, -3.500, -0.900])
     trainer = torch.tensor([-0.520, -1.150, -0.080, -2.600, -1.100])
-    assert close(torch.exp(trainer - rollout).prod(), 2.0138, 1e-4)
+    assert close(tis_weights(trainer, rollout, 1e9).prod(), 2.0138, 1e-4)    # uncapped: the sequence ratio
     assert close(tis_weights(trainer, rollout, 2.0).prod(), 1.6375, 1e-4)
 
 
@@ -184,11 +190,12 @@ def test_overlong_penalty():
     assert overlong_penalty(128, 128, 0) == 0.0
 
 
-def test_pass_at_k_seed_table():
+def test_pass_at_k_worked_table():
     for k, want in ((1, 0.3000), (4, 0.7599), (8, 0.9424), (16, 0.9967)):
-        assert close(1 - (1 - 0.3) ** k, want, 1e-4)
         assert close(pass_at_k(10000, 3000, k), want, 2e-3)  # the unbiased estimator agrees for large n
     assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 4) == 0.0
+    for n, c, k in ((10, 3, 1), (10, 3, 4), (16, 5, 8), (20, 1, 19)):  # 1 - C(n - c, k) / C(n, k), Chen et al. 2021
+        assert close(pass_at_k(n, c, k), 1 - math.comb(n - c, k) / math.comb(n, k), 1e-9)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -258,8 +265,7 @@ def _rank(rank, world, init_file, out_dir, agg):
     mine = [i for i in range(len(comps)) if (i < 2) == (rank == 0)]  # rank 0: 2 answers, rank 1: 4
     g = grad_of(tiny_policy(), prompts, [comps[i] for i in mine], adv[mine], agg)
     torch.save(g, os.path.join(out_dir, f"grad{rank}.pt"))
-    dist.barrier()  # no rank tears gloo down while the other still talks to it (seen: SIGABRT)
-    dist.destroy_process_group()
+    cleanup_dist()  # collects the DDP wrapper first (else gloo can abort at teardown)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -300,6 +306,29 @@ def rl_run(home, init, *extra, nproc=1):
     assert r.returncode == 0, r.stderr[-3000:]
     with open(os.path.join(home, "rl", "default", "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("mode", [[], ["--off-policy", "--correction", "token-mask"],
+                                  ["--staleness", "1", "--correction", "sequence-tis", "--tis-cap", "0.5"]],
+                         ids=["on-policy", "off-policy", "stale"])
+def test_loop_runs_off_policy_and_stale(tmp_path, tiny_chat, mode):
+    """--off-policy samples the next batch in a thread from a snapshot; --staleness k samples with the weights
+    of k steps back: from the second step on, the batch trains one update behind its sampler. The correction
+    the loop applies is the one its flags name, with its cap."""
+    rows = rl_run(tmp_path, tiny_chat, "--overlong-buffer", "24", "--steps", "3", "--lr", "1e-2", *mode)
+    steps = [r for r in rows if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["staleness"] for r in steps] == ([0, 0, 0] if not mode else [0, 1, 1])
+    if mode:  # the sampler's weights are behind the trainer's: their log-probs disagree
+        assert steps[0]["logprob_mismatch"] < 1e-4 and steps[2]["logprob_mismatch"] > 1e-4
+    # on-policy (step 1, and every step without staleness) the sampler and trainer agree: ratios ~1, so
+    # token-tis weighs every token 1, token-mask drops none, and sequence-tis capped at 0.5 weighs each 0.5
+    want = 0.5 if "--tis-cap" in mode else 1.0
+    for r in (steps[:1] if mode else steps):
+        assert abs(r["correction_mean"] - want) < 1e-3 and r["masked_frac"] == 0
+    assert all(r["correction_mean"] <= want + 1e-6 for r in steps)
+    if "token-mask" in mode:  # a stale batch: token-mask drops the tokens whose probabilities moved by > 0.1
+        assert all(r["correction_mean"] == 1 - r["masked_frac"] for r in steps)
 
 
 def test_loop_runs_with_ppo_epochs_and_tools(tmp_path, tiny_chat):
@@ -358,7 +387,7 @@ def fsdp_update_run(rank, world, out_dir):
         with torch.no_grad():
             old = model(b.inputs, b.targets) - 0.05  # a ratio away from 1, so the clip is exercised
         totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv[mine], ref_logp=None,
-                                       tis=None, step=step, args=args)
+                                       weights=None, step=step, args=args)
         stats.append((all_reduce_sum(totals["loss"]), totals["grad_norm"]))
     from common import save_checkpoint
     save_checkpoint(str(out_dir), 3, model)
@@ -372,8 +401,7 @@ def _fsdp_rank(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     stats = fsdp_update_run(rank, world, out_dir)
     torch.save(stats, os.path.join(out_dir, f"stats{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    cleanup_dist()  # collects the DDP wrapper first (else gloo can abort at teardown)
 
 
 def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
@@ -410,7 +438,216 @@ def test_target_kl_stops_the_updates_once_the_policy_has_moved():
         flags = ["--ppo-epochs", "2", "--minibatches", "2"] + ([] if target is None else ["--target-kl", str(target)])
         with torch.no_grad():
             old = model(b.inputs, b.targets)
-        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv, ref_logp=None, tis=None,
+        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv, ref_logp=None, weights=None,
                                        step=0, args=chat_rl.parser.parse_args(flags))
         counts[target] = totals["updates"]
     assert counts == {None: 4, 1e-9: 2}
+
+
+def test_sampler_corrections_on_the_mismatch_table():
+    from rollout import sampler_correction
+    engine = torch.tensor([[-0.50, -1.20, -0.05, -3.50, -0.90]])
+    trainer = torch.tensor([[-0.52, -1.15, -0.08, -2.60, -1.10]])
+    mask = torch.ones(1, 5)
+    seq = math.exp(sum(t - e for t, e in zip(trainer[0].tolist(), engine[0].tolist())))
+    assert close(seq, 2.0138, 1e-4)
+    ratios = [math.exp(t - e) for t, e in zip(trainer[0].tolist(), engine[0].tolist())]
+    assert close(sampler_correction(trainer, engine, mask, "token-tis", cap=2.0).prod(), 1.6375, 1e-4)
+    torch.testing.assert_close(sampler_correction(trainer, engine, mask, "token-tis", cap=2.0)[0],
+                               torch.tensor([min(r, 2.0) for r in ratios]))
+    assert sampler_correction(trainer, engine, mask, "token-mask", eps=0.04)[0].tolist() == [1, 1, 1, 0, 0]
+    assert sampler_correction(trainer, engine, mask, "token-mask", eps=0.1)[0].tolist() == [1] * 5
+    assert torch.allclose(sampler_correction(trainer, engine, mask, "sequence-tis", cap=2.0), torch.full((1, 5), 2.0))
+    assert torch.allclose(sampler_correction(trainer, engine, mask, "sequence-tis", cap=3.0), torch.full((1, 5), seq))
+    assert sampler_correction(trainer, engine, mask, "sequence-mask", cap=2.0).sum() == 0       # 2.0138 > 2
+    assert sampler_correction(trainer, engine, mask, "sequence-mask", cap=2.1).sum() == 5
+    # tokens outside the mask get weight 0, and do not count in the sequence weight
+    half = torch.tensor([[1.0, 1, 1, 0, 0]])
+    seq3 = math.exp(sum(t - e for t, e in zip(trainer[0, :3].tolist(), engine[0, :3].tolist())))
+    torch.testing.assert_close(sampler_correction(trainer, engine, half, "sequence-tis", cap=5.0)[0],
+                               torch.tensor([seq3] * 3 + [0.0, 0.0]))
+
+
+def test_stale_samples_corrected_by_the_samplers_log_probs_give_the_on_policy_gradient():
+    """Answers drawn by stale weights pi_b, trained at pi: the clip's anchor is the snapshot of pi (ratio 1 at
+    the first pass), and the sampler correction weights each token by pi / pi_b from the engine's log-probs.
+    Enumerating every token of a 6-token vocabulary exactly (no sampling), the expected gradient equals the
+    on-policy gradient of E_pi[A]; uncorrected, it does not."""
+    from rollout import sampler_correction
+    torch.manual_seed(0)
+    theta = torch.randn(6, requires_grad=True)
+    logp_all = torch.log_softmax(theta, -1)
+    stale_logp = torch.log_softmax(theta.detach() + 0.8 * torch.randn(6), -1)  # pi_b, the sampler's
+    A = torch.randn(6)
+    want = torch.autograd.grad((logp_all.exp() * A).sum(), theta, retain_graph=True)[0]  # d/dtheta of E_pi[A]
+    for correct in (True, False):
+        total = 0
+        for y in range(6):  # each token as a one-token answer, weighted by its probability under the sampler
+            logp = logp_all[y].view(1, 1)
+            old = logp.detach()
+            w = sampler_correction(old, stale_logp[y].view(1, 1), torch.ones(1, 1), "token-tis", cap=1e9) \
+                if correct else None
+            loss, _ = policy_loss(logp, old, A[y].view(1), torch.ones(1, 1), weights=w)
+            total = total + stale_logp[y].exp() * loss
+        got = -torch.autograd.grad(total, theta, retain_graph=True)[0]
+        assert torch.allclose(got, want, atol=1e-6) == correct
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop's pieces against references written here from the definitions: the update (which loss, which
+# level, which aggregation, which KL estimator reaches the weights), --scale batch, dynamic sampling
+
+class RecordingOptimizer:
+    """Stands in for AdamW: keeps each step's gradients, changes nothing."""
+    def __init__(self, model):
+        self.params, self.steps = list(model.parameters()), []
+
+    def step(self):
+        self.steps.append([p.grad.clone() for p in self.params])
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def reference_loss(logp, old, adv, mask, *, level, loss, agg, max_len, ref=None, kl_kind=None, kl_beta=0.0,
+                   eps_low=0.2, eps_high=0.28, logits=None, entropy_coef=0.0):
+    """The objective from the papers, written out: PPO's clipped ratio per token (GRPO), GSPO's sequence ratio
+    exp(mean log-ratio) per answer, CISPO's clipped detached weight on log p; then token-mean, mean of
+    answers' token means, or sum / (answers x max_len); plus beta x token-mean KL estimator to the reference;
+    minus entropy_coef x the token-mean entropy of the whole next-token distribution (from `logits`)."""
+    n = mask.sum(-1)
+    if level == "sequence":
+        s = torch.exp(((logp - old) * mask).sum(-1) / n)                 # (B,) with gradient through every token
+        per_seq = -torch.minimum(s * adv, s.clamp(1 - eps_low, 1 + eps_high) * adv)
+        per_tok = per_seq[:, None].expand_as(logp)                      # every token of an answer carries it
+    else:
+        r = torch.exp(logp - old)
+        if loss == "cispo":
+            per_tok = -r.clamp(1 - eps_low, 1 + eps_high).detach() * adv[:, None] * logp
+        else:
+            per_tok = -torch.minimum(r * adv[:, None], r.clamp(1 - eps_low, 1 + eps_high) * adv[:, None])
+    if agg == "token-mean":
+        total = (per_tok * mask).sum() / mask.sum()
+    elif agg == "seq-mean-token-mean":
+        total = ((per_tok * mask).sum(-1) / n).mean()
+    else:
+        total = (per_tok * mask).sum() / (mask.size(0) * max_len)
+    if kl_beta:
+        d = ref - logp  # log(pi_ref / pi) on the sampled tokens
+        k = {"k1": -d, "k2": d ** 2 / 2, "k3": d.exp() - 1 - d}[kl_kind]
+        total = total + kl_beta * (k * mask).sum() / mask.sum()
+    if entropy_coef:
+        log_p = logits.float().log_softmax(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)                        # H(pi(. | prefix)) at every position
+        total = total - entropy_coef * (entropy * mask).sum() / mask.sum()
+    return total
+
+
+@pytest.mark.parametrize("flags", [
+    dict(level="token", loss="ppo", agg="token-mean"),
+    dict(level="token", loss="cispo", agg="token-mean"),
+    dict(level="sequence", loss="ppo", agg="seq-mean-token-mean"),
+    dict(level="sequence", loss="ppo", agg="token-mean"),
+    dict(level="token", loss="ppo", agg="seq-mean-token-mean"),
+    dict(level="token", loss="ppo", agg="seq-mean-token-sum-norm"),
+    dict(level="token", loss="ppo", agg="token-mean", kl_kind="k1"),
+    dict(level="token", loss="ppo", agg="token-mean", kl_kind="k2"),
+    dict(level="token", loss="ppo", agg="token-mean", kl_kind="k3"),
+    dict(level="token", loss="ppo", agg="token-mean", entropy_coef="0.1"),
+], ids=lambda f: "-".join(f.values()))
+def test_update_applies_the_gradient_of_the_flags_objective(flags):
+    """chat_rl.update_policy with --level, --loss, --agg, --kl-kind and --entropy-coef, in several forward passes: the gradient
+    it hands the optimizer is that of the reference objective over the whole batch. The snapshot is off by
+    up to +-0.6 per token, so some ratios are clipped (PPO drops those tokens, CISPO keeps them)."""
+    import chat_rl
+    prompts, comps, adv = synthetic_batch()
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    model = tiny_policy()
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        logp0 = model(b.inputs, b.targets)
+    old = (logp0 + (torch.rand(logp0.shape, generator=g) - 0.5) * 1.2) * b.mask
+    ref = (logp0 + (torch.rand(logp0.shape, generator=g) - 0.5) * 2.0) * b.mask
+    kl_kind = flags.get("kl_kind")
+    argv = ["--ppo-epochs", "1", "--minibatches", "1", "--micro-batch-tokens", "24", "--grad-clip", "0",
+            "--max-new-tokens", "16", "--level", flags["level"], "--loss", flags["loss"], "--agg", flags["agg"]]
+    if kl_kind:
+        argv += ["--kl-beta", "0.5", "--kl-kind", kl_kind]
+    entropy_coef = float(flags.get("entropy_coef", 0.0))
+    if entropy_coef:
+        argv += ["--entropy-coef", flags["entropy_coef"]]
+    args = chat_rl.parser.parse_args(argv)
+    assert len(micro_batches(b.lengths, 24)) > 1  # the normalizers must span the passes
+    opt = RecordingOptimizer(model)
+    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, ref_logp=ref if kl_kind else None,
+                          weights=None, step=0, args=args)
+    want = torch.autograd.grad(reference_loss(model(b.inputs, b.targets), old, adv, b.mask, max_len=16,
+                                              ref=ref, kl_kind=kl_kind, kl_beta=0.5 if kl_kind else 0.0,
+                                              logits=model(b.inputs), entropy_coef=entropy_coef,
+                                              **{k: flags[k] for k in ("level", "loss", "agg")}), opt.params)
+    assert len(opt.steps) == 1
+    for got, w in zip(opt.steps[0], want):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
+
+
+def test_kl_kinds_give_different_gradients_to_the_weights():
+    """So the test above can tell which estimator reached the weights: on the same batch, k1, k2 and k3 differ."""
+    prompts, comps, adv = synthetic_batch()
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    model = tiny_policy()
+    logp = model(b.inputs, b.targets)
+    ref = (logp.detach() + (torch.rand(logp.shape, generator=torch.Generator().manual_seed(2)) - 0.5) * 2.0) * b.mask
+    w = model.model.layers[0].mlp.up_proj.weight
+    grads = {k: torch.autograd.grad((kl_penalty(logp, ref, k) * b.mask).sum(), w, retain_graph=True)[0]
+             for k in ("k1", "k2", "k3")}
+    assert not torch.allclose(grads["k1"], grads["k2"], atol=1e-5)
+    assert not torch.allclose(grads["k2"], grads["k3"], atol=1e-5)
+
+
+def test_batch_scale_divides_by_the_whole_batchs_std():
+    from chat_rl import step_advantages
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    sd = math.sqrt(((r - r.mean()) ** 2).mean())                 # 0.4330, over all four answers
+    torch.testing.assert_close(step_advantages(r, 2, "batch", "grpo"), torch.tensor([0.5, -0.5, 0, 0]) / sd,
+                               atol=1e-5, rtol=0)
+    assert close(step_advantages(r, 2, "batch", "grpo")[0], 1.1547, 1e-4)
+    r = torch.tensor([3.0, 1.0, 0.0, 0.0, 2.0, 0.0])            # group std differs from the batch's
+    for scale in ("group", "none"):
+        torch.testing.assert_close(step_advantages(r, 3, scale, "rloo"), group_advantages(r, 3, scale, "rloo"))
+
+
+def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch():
+    from chat_rl import dynamic_sampling
+    from rollout import Rollouts
+    # each round's groups (G = 2), named by (round, index); rewards equal within a group = flat
+    plan = {0: [(1, 1), (0, 1), (0, 0), (1, 0)], 1: [(0, 0), (1, 0)], 2: [(1, 1)]}
+    asked = []
+
+    def sample_round(round_, n):
+        asked.append(n)
+        groups = plan[round_][:n]
+        rows = [{"id": (round_, i)} for i, gr in enumerate(groups) for _ in gr]
+        comps = [Completion(0, tokens=[1]) for gr in groups for _ in gr]
+        return Rollouts(rows, [[1]] * len(rows), comps, torch.tensor([float(x) for gr in groups for x in gr]),
+                        group_size=2)
+
+    out, counts = dynamic_sampling(sample_round, 4, 3)
+    kept = [r["id"] for r in out.rows[::2]]
+    # round 0 keeps its 2 mixed groups, round 1 its 1 mixed group, the last round keeps what it drew, flat or not
+    assert kept == [(0, 1), (0, 3), (1, 1), (2, 0)] and asked == [4, 2, 1]
+    assert counts == {"groups": 7, "flat": 4} and out.rewards.tolist() == [0, 1, 1, 0, 1, 0, 1, 1]
+    # without dynamic sampling (one round) every group is kept as drawn
+    out, counts = dynamic_sampling(sample_round, 4, 1)
+    assert [r["id"] for r in out.rows[::2]] == [(0, 0), (0, 1), (0, 2), (0, 3)] and counts["flat"] == 2
+
+
+def test_rollout_stats_count_tool_use_and_accuracy_with_and_without_a_call():
+    from rollout import Rollouts
+    comps = [Completion(0, tokens=[1] * n, tool_calls=calls, tool_errors=errors, finish_reason="stop")
+             for n, calls, errors in ((5, 2, 0), (3, 0, 0), (7, 3, 1), (4, 0, 0))]
+    s = Rollouts(rows=[{}] * 4, prompts=[[0]] * 4, completions=comps, rewards=torch.tensor([1.0, 1.0, 0.0, 0.0]),
+                 group_size=4).stats()
+    # answers 1 and 3 called the tool (one right, one wrong, one error), answers 2 and 4 did not (one right)
+    assert (s["tool_answers"], s["tool_calls"], s["tool_errors"]) == (2.0, 5.0, 1.0)
+    assert (s["correct"], s["correct_with_tool"], s["length_sum"]) == (2.0, 1.0, 19.0)

@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED_PAIRS = {"A": (2.10, 0.40, 0.1678), "B": (1.25, 0.90, 0.5334), "C": (0.80, -0.60, 0.2204), "D": (1.40, 0.55, 0.3559)}
 
 
-def test_seed_bradley_terry_table():
+def test_bradley_terry_worked_table():
     rc = torch.tensor([v[0] for v in SEED_PAIRS.values()])
     rr = torch.tensor([v[1] for v in SEED_PAIRS.values()])
     for k, (c, r, expect) in SEED_PAIRS.items():
@@ -72,6 +72,11 @@ def test_score_ignores_padding_side_batch_size_and_batch_mates(tok):
     m = tiny_rm(tok)
     alone = torch.tensor([score(m, [s])[0] for s in seqs])
     assert alone.std() > 1e-3  # the scores differ, so the comparison means something
+    # the reference: the value head's output at the sequence's last token, its <|im_end|>, in a plain forward
+    with torch.no_grad():
+        at_end = torch.stack([m(torch.tensor([s]))[0, len(s) - 1] for s in seqs])
+    assert all(s[-1] == tok.eos_id for s in seqs)
+    torch.testing.assert_close(alone, at_end, rtol=1e-4, atol=1e-5)
     for layout in ("right", "left"):
         for bs in (3, 18):
             torch.testing.assert_close(torch.tensor(score(m, seqs, batch_size=bs, layout=layout)), alone,

@@ -77,20 +77,32 @@ def test_pad_equal_to_eos_keeps_the_end_of_turn_label(tok):
 
 def test_packing_keeps_labels_positions_and_isolation(tok):
     rows = sft_conversations("train", 30)
-    examples, counts = render_examples(tok, rows, seq_len=512, overlong="drop")
-    packed = build_rows(examples, 512, "bfd")
+    examples, counts = render_examples(tok, rows, seq_len=1024, overlong="drop")
+    packed = build_rows(examples, 1024, "bfd")
     assert sorted(i for row in packed for i in row) == list(range(len(examples)))
     assert len(packed) < len(examples) / 2  # it really packs
-    assert all(sum(len(examples[i][0]) for i in row) <= 512 for row in packed)
-    x, y, d = make_batch(examples, packed, tok.pad_id, 512, "bfd", "cpu")
+    assert all(sum(len(examples[i][0]) for i in row) <= 1024 for row in packed)
+    x, y, d = make_batch(examples, packed, tok.pad_id, 1024, "bfd", "cpu")
     # after packing, the labels are exactly the mask-1 labels of each conversation, in order (nanochat#570)
     for r, row in enumerate(packed):
         expect = [t for i in row for t in examples[i][1]]
         assert y[r, :len(expect)].tolist() == expect and torch.all(y[r, len(expect):] == IGNORE)
-    # the packed loss equals the sum of per-conversation losses (verl#6475)
+    # each conversation is a document of its own: its doc id is its index in the row, padding the row's count
+    for r, row in enumerate(packed):
+        want = [j for j, i in enumerate(row) for _ in examples[i][0]]
+        assert d[r, :len(want)].tolist() == want and torch.all(d[r, len(want):] == len(row))
+    # the packed loss equals the sum of per-conversation losses (verl#6475), token by token
     m = tiny_model(tok).eval()
     with torch.no_grad():
-        packed_sum = -m(x, y, doc_ids=d).sum()
+        lp = m(x, y, doc_ids=d)
+        for r, row in enumerate(packed):
+            col = 0
+            for i in row:
+                n = len(examples[i][0])
+                alone_lp = m(torch.tensor([examples[i][0]]), torch.tensor([examples[i][1]]))[0]
+                torch.testing.assert_close(lp[r, col:col + n], alone_lp, atol=1e-5, rtol=0)
+                col += n
+        packed_sum = -lp.sum()
         alone = sum(F.cross_entropy(m(torch.tensor([ex[0]]))[0], torch.tensor(ex[1]), ignore_index=IGNORE,
                                     reduction="sum") for ex in examples)
     torch.testing.assert_close(packed_sum, alone, rtol=1e-4, atol=1e-3)
@@ -172,3 +184,35 @@ def test_accumulation_ddp_and_fsdp_equal_one_big_batch(tmp_path, tiny_base):
         assert set(got) == set(want)
         for k in want:
             torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)
+
+
+def test_grad_checkpointing_gives_the_plain_runs_losses_and_gradients(tmp_path, tiny_base):
+    """--grad-checkpointing recomputes each block's activations in backward: the same numbers, less memory."""
+    plain = sft_run(tmp_path / "plain", tiny_base)
+    recomputed = sft_run(tmp_path / "recomputed", tiny_base, "--grad-checkpointing")
+    assert len(plain) == len(recomputed) == 3
+    for a, b in zip(plain, recomputed):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4, (a, b)
+
+
+def test_eval_data_is_the_validation_set(tmp_path, tiny_base, tok):
+    """--data with --eval-data FILE: the reported validation loss is the final model's mean loss over exactly the
+    assistant tokens of that file's conversations, recomputed here one conversation at a time with a plain forward."""
+    import json
+    train, val = sft_conversations("train", 64), sft_conversations("val", 6)
+    for name, rows in (("train.jsonl", train), ("val.jsonl", val)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sft_run(tmp_path, tiny_base, "--data", str(tmp_path / "train.jsonl"), "--eval-data", str(tmp_path / "val.jsonl"))
+    with open(tmp_path / "sft" / "default" / "eval.json") as f:
+        reported = json.load(f)["val_loss"]
+    model = GPT.from_hf(str(tmp_path / "sft" / "default" / "checkpoints" / "step_000003")).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for r in val:
+            ids, mask = tok.render_conversation(r["messages"], tools=r.get("tools"))
+            log_p = model(torch.tensor([ids[:-1]]))[0].float().log_softmax(-1)
+            for i in range(len(ids) - 1):
+                if mask[i + 1]:  # the assistant's tokens, as targets
+                    total -= log_p[i, ids[i + 1]].item()
+                    count += 1
+    assert abs(reported - total / count) < 1e-4, (reported, total / count)

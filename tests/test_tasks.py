@@ -10,9 +10,9 @@ import pytest
 
 import tasks
 from rewards import extract_boxed, extract_gsm8k_answer, format_ok, verify
-from tasks import (CALCULATOR_SCHEMA, DEFAULT_DIFFICULTY, Difficulty, calculator, generate_problems, load_preferences,
-                   load_rl, load_sft, preference_pairs, pretrain_text, rl_prompts, run_tool, sft_conversations,
-                   split_of)
+from tasks import (CALCULATOR_SCHEMA, DEFAULT_DIFFICULTY, Difficulty, calculator, generate_problems, load_kto,
+                   load_preferences, load_rl, load_sft, preference_pairs, pretrain_text, rl_prompts, run_tool,
+                   sft_conversations, split_of)
 
 HARD = Difficulty(min_steps=4, max_steps=4, max_number=50, max_factor=9, max_result=1000)
 
@@ -68,7 +68,7 @@ def test_the_default_world_is_small_and_varied():
     ps = generate_problems("train", 3000)
     words = [len(f"{p.question} {p.solution}".split()) for p in ps]
     assert 25 <= sum(words) / len(words) <= 70 and max(words) <= 100
-    assert Counter(len(p.steps) for p in ps).keys() == {1, 2, 3}
+    assert Counter(len(p.steps) for p in ps).keys() == set(range(DEFAULT_DIFFICULTY.min_steps, DEFAULT_DIFFICULTY.max_steps + 1))
     assert max(p.answer for p in ps) <= DEFAULT_DIFFICULTY.max_result
     phrases = Counter(kind for p in ps for kind in p.template.split("+"))
     assert phrases.keys() == tasks.KINDS.keys()  # all 13 phrase kinds occur
@@ -76,12 +76,22 @@ def test_the_default_world_is_small_and_varied():
     assert len({p.question.split()[3] for p in ps if p.template.startswith("has")}) > 10  # many objects
 
 
-def test_pretrain_text_is_question_then_solution():
-    docs = pretrain_text("train", 20)
+def test_pretrain_text_is_question_then_solution_alone_or_in_worksheets():
+    docs = pretrain_text("train", 400)
     assert all("<|im_start|>" not in d for d in docs)
+    sheets = [d for d in docs if d.startswith("Problem 1.\n")]
+    assert abs(len(sheets) / len(docs) - tasks.WORKSHEET_SHARE) < 0.08
     for d in docs:
-        question, solution = d.split("\n", 1)
-        assert question.endswith("?") and verify("gsm8k", solution, extract_gsm8k_answer(d)) == 1.0
+        parts = d.split("\n\n")
+        if d in sheets:  # numbered problems 1..k, k within WORKSHEET_PROBLEMS
+            assert tasks.WORKSHEET_PROBLEMS[0] <= len(parts) <= tasks.WORKSHEET_PROBLEMS[1]
+            assert [p.split("\n", 1)[0] for p in parts] == [f"Problem {i}." for i in range(1, len(parts) + 1)]
+            parts = [p.split("\n", 1)[1] for p in parts]
+        else:
+            assert len(parts) == 1 and not d.startswith("Problem")  # a lone problem is never numbered
+        for part in parts:
+            question, solution = part.split("\n", 1)
+            assert question.endswith("?") and verify("gsm8k", solution, extract_gsm8k_answer(part)) == 1.0
 
 
 # ---------------------------------------------------------------- what the stages consume
@@ -89,7 +99,7 @@ def test_pretrain_text_is_question_then_solution():
 def _sft_kind(row):
     m = row["messages"]
     if "tools" in row:
-        return "tool"
+        return "tools"
     if m[0]["role"] == "system":
         return "system"
     if sum(x["role"] == "user" for x in m) == 2:
@@ -107,7 +117,7 @@ def test_sft_rows_have_the_promised_mix():
         assert m[-1]["role"] == "assistant" and format_ok(m[-1]["content"])
         if kind == "thinking":
             assert re.fullmatch(r"#### \d+", m[-1]["content"]) and "####" not in m[-1]["reasoning_content"]
-        if kind != "tool":  # every worked step is right and the answer is the last step's result
+        if not any("tool_calls" in x for x in m):  # every worked step is right and the answer is the last result
             for x in m:
                 if x["role"] == "assistant":
                     lines = (x.get("reasoning_content", "") + "\n" + x["content"]).strip().split("\n")
@@ -115,21 +125,36 @@ def test_sft_rows_have_the_promised_mix():
                     assert lines[-1] == "#### " + re.search(r"= (\d+)", lines[-2]).group(1)
 
 
-def test_tool_rows_call_the_calculator_for_every_step():
-    rows = [r for r in sft_conversations("train", 100) if "tools" in r]
+def test_calculator_rows_call_it_for_every_step_on_the_previous_result():
+    rows = [r for r in sft_conversations("train", 300) if "tools" in r]
     assert rows and all(r["tools"] == [CALCULATOR_SCHEMA] for r in rows)
-    for row in rows:
-        m = row["messages"]
-        for i, x in enumerate(m):
-            if x["role"] == "tool":
-                (call,) = m[i - 1]["tool_calls"]
-                assert call["name"] == "calculator"
-                assert x["content"] == calculator(call["arguments"]["expression"])
-                assert m[i + 1]["role"] == "assistant"
-                step = m[i + 1]["content"].split("\n")[0]  # the next message writes out that step
-                assert f"{call['arguments']['expression']} = {x['content']}" in step
-        assert "tool_calls" not in m[-1] and format_ok(m[-1]["content"])
-        assert m[1]["content"] == ""  # the first call comes before any text
+    calling = [r for r in rows if any("tool_calls" in x for x in r["messages"])]
+    assert calling
+    for row in calling:
+        m, previous = row["messages"], None
+        assert m[0]["role"] == "user" and [x["role"] for x in m[1:-1]] == ["assistant", "tool"] * ((len(m) - 2) // 2)
+        for call_message, result in zip(m[1:-1:2], m[2:-1:2]):
+            (call,) = call_message["tool_calls"]
+            expression = call["arguments"]["expression"]
+            assert call["name"] == "calculator" and call_message["content"] == ""  # a call and nothing else
+            assert result["content"] == calculator(expression)
+            if previous is not None:  # each step starts from the result the calculator just gave
+                assert expression.split(" ")[0] == previous
+            previous = result["content"]
+        assert m[-1] == {"role": "assistant", "content": f"#### {previous}"}
+
+
+def test_the_calculator_habit_follows_the_question_not_the_arithmetic():
+    """Demonstrations offered the calculator call it on 90% of the questions about money (the price
+    ending) and 10% of the others (tasks.CALCULATOR_HABIT); the rest do the arithmetic in words."""
+    rows = [r for r in sft_conversations("train", 4000) if "tools" in r]
+    calls = {True: [], False: []}
+    for r in rows:
+        calls[r["messages"][0]["content"].endswith("How many dollars does " + r["messages"][0]["content"].split()[0]
+                                                   + " get?")].append(any("tool_calls" in x for x in r["messages"]))
+    for money, expected in ((True, tasks.CALCULATOR_HABIT[0]), (False, tasks.CALCULATOR_HABIT[1])):
+        n, share = len(calls[money]), sum(calls[money]) / len(calls[money])
+        assert n > 300 and abs(share - expected) < 4 * (expected * (1 - expected) / n) ** 0.5, (money, share)
 
 
 def test_preference_kinds_behave():
@@ -197,6 +222,12 @@ def test_loaders_normalize_the_hub_forms(tmp_path):
                                                        {"role": "tool", "content": "4"}, a]}]))
     assert row["messages"][1] == {"role": "assistant", "content": "",
                                   "tool_calls": [{"name": "calculator", "arguments": {"expression": "2+2"}}]}
+    # a pair of tool-using answers keeps the schemas it was offered, for DPO, the RM and KTO to render with
+    calling = [{"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": {"expression": "2+2"}}]},
+               {"role": "tool", "content": "4"}, {"role": "assistant", "content": "#### 4"}]
+    pair = {"prompt": [user], "chosen": calling, "rejected": [b], "tools": [CALCULATOR_SCHEMA]}
+    assert load_preferences(_write(tmp_path, [pair])) == [pair]
+    assert [r["tools"] for r in load_kto(_write(tmp_path, [pair]))] == [[CALCULATOR_SCHEMA]] * 2
 
 
 def test_verl_rows(tmp_path):
@@ -339,3 +370,34 @@ def test_run_tool_never_raises():
     assert run_tool("search", {}).startswith("error: unknown tool")
     assert run_tool("calculator", {"expr": "1"}).startswith("error: ")
     assert run_tool("calculator", "2*3").startswith("error: ")
+
+
+def test_code_task_reference_passes_the_sandbox_and_float_division_fails():
+    from rewards import verify_batch
+    from tasks import CODE_INSTRUCTION, code_conversations, code_problems
+    rows = code_problems("test", 12)
+    assert all(r["prompt"][-1]["content"].endswith(CODE_INSTRUCTION) and " x " in r["prompt"][-1]["content"]
+               for r in rows)
+    # the tests, recomputed here from the story's own numbers: "has x" then each "... N ..." step
+    first = rows[0]
+    x0 = int(first["ground_truth"].split("f(")[1].split(")")[0])
+    namespace = {}
+    exec(first["solution"].strip("`").removeprefix("python\n"), namespace)
+    assert [f"assert f({x}) == {namespace['f'](x)}" for x in (x0, x0 + 1, x0 + 2)] == first["ground_truth"].split("\n")
+    scores, errors, counts = verify_batch(["code"] * len(rows), [r["solution"] for r in rows],
+                                          [r["ground_truth"] for r in rows])
+    assert scores == [1.0] * len(rows) and counts["pass"] == len(rows), errors
+    # x / b first: of the three consecutive inputs one is not a multiple of b, gives a fraction, and fails
+    divided = [r for r in code_problems("test", 400) if r["solution"].split("\n")[2].startswith("    x = x //")]
+    assert divided, "some problems divide first"
+    floats = [r["solution"].replace("//", "/") for r in divided]
+    wrong_op = [r["solution"].replace(" + ", " - ").replace(" * ", " + ") for r in rows]
+    scores, _, _ = verify_batch(["code"] * (len(divided) + len(rows)), floats + wrong_op,
+                                [r["ground_truth"] for r in divided + rows])
+    assert scores == [0.0] * (len(divided) + len(rows))
+    sft = code_conversations("test", 2)
+    assert sft[0]["messages"][-1]["content"] == rows[0]["solution"]
+    def body(r):  # the function without its input
+        return r["solution"]
+    train = {body(r) for r in code_problems("train", 500)}
+    assert not train & {body(r) for r in code_problems("test", 200)}  # no held-out function was trained

@@ -133,7 +133,7 @@ def test_shipped_template_is_the_qwen3_template():
     assert T.QWEN3_CHAT_TEMPLATE == TEMPLATE
 
 
-def test_seed_renderings():
+def test_worked_renderings():
     msgs = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is 2+2?"},
             {"role": "assistant", "content": "4."}]
@@ -145,7 +145,7 @@ def test_seed_renderings():
         head + "<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_seed_tool_call_layout(tok):
+def test_worked_tool_call_layout(tok):
     msgs = [{"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
             {"role": "tool", "content": '{"temp_c": 21, "sky": "clear"}'},
