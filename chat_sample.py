@@ -1,0 +1,277 @@
+"""
+Sample and filter: rejection sampling and best-of-n, to turn a model's own graded answers into training data.
+
+For every prompt, sample k answers from a checkpoint with the engine, grade them all with a verifier or a
+reward model (--reward, as in chat_rl.py), and keep some:
+
+    --keep verified   answers whose reward is at least --threshold (1.0: the verifier says correct); the
+                      rejection sampling of Llama 2 / DeepSeek-R1's second SFT round (R1: "rejection
+                      sampling on the RL checkpoint", Guo et al. 2025, https://arxiv.org/abs/2501.12948)
+    --keep best       best-of-n: the highest-rewarded answers of each prompt, whatever their reward
+                      (with a reward model there is no "correct", only better)
+    --keep all        every answer (to inspect, or to filter elsewhere)
+
+at most --max-per-prompt per prompt (highest reward first, ties in sampling order; a text already kept
+for the prompt is not kept twice). Answers cut at the length limit are never kept: they have no end, and
+the SFT loss would teach the model to stop where it was cut off.
+
+    --out FILE         SFT rows {"messages": prompt + answer} that `chat_sft.py --data FILE` trains on; with
+                       --tools an answer is the assistant's turns with their calculator calls and the tool
+                       results between them, written only where those messages render back to exactly the
+                       tokens that were sampled (a call that does not parse is not written)
+    --pairs-out FILE   preference pairs {"prompt", "chosen", "rejected"} that `chat_dpo.py --data FILE`
+                       trains on: per prompt, its best answer against its worst, only where they differ
+                       in reward (a group whose answers all scored alike gives no pair)
+
+Example: 4 answers with rewards [1, 0, 1, 0] (the third a repeat of the first): --keep verified
+--max-per-prompt 2 keeps answer 0 only (answer 2 is the same text); --max-per-prompt 1 keeps answer 0;
+--keep best keeps answer 0; the pair is (answer 0, answer 1): the first best against the first worst.
+
+    python chat_sample.py --out rs.jsonl                                  # 1 CPU: the RL run, the embedded world
+    python chat_sample.py --tools --out rs.jsonl                          # the calculator offered, as RL had it
+    python chat_sample.py --init out/sft/default --samples 4 --keep all --pairs-out pairs.jsonl
+    python chat_sample.py --init /models/my-rl --data rl.jsonl --device cuda --out rs.jsonl   # 1 GPU
+    torchrun --standalone --nproc_per_node=8 chat_sample.py --init ... --data rl.jsonl --out rs.jsonl  # N GPUs
+    python chat_sample.py --reward rm:out/rm/default --keep best --out bon.jsonl      # best-of-n by a reward model
+
+Prompts: the embedded world's training problems (--num-prompts), or --data FILE.jsonl with chat_rl.py's
+rows ({"prompt", "ground_truth", "verifier"}, or verl's). Under torchrun each rank samples its share of
+the prompts (whole batches, each with its own seed: the files do not depend on the number of ranks) and
+rank 0 writes them in prompt order.
+"""
+import argparse
+import json
+import os
+import re
+
+from common import UserError, all_gather_objects, init_dist, nanopost_home, print0, print_config, \
+    resolve_model_path, run_main, seed_everything
+
+KEEP = ("verified", "best", "all")
+
+parser = argparse.ArgumentParser(description="sample k answers per prompt, grade them, keep the verified or the best")
+parser.add_argument("--init", default=None, help="model folder or run dir to sample from (default: the RL run)")
+parser.add_argument("--device", default="auto")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--data", default=None, help="RL JSONL of prompts (default: the embedded world's training problems)")
+parser.add_argument("--num-prompts", type=int, default=None, help="prompts: the embedded world's first N (default 1000); "
+                    "with --data, its first N (default all)")
+parser.add_argument("--samples", type=int, default=8, help="answers sampled per prompt (k)")
+parser.add_argument("--max-new-tokens", type=int, default=192)
+parser.add_argument("--temperature", type=float, default=1.0)
+parser.add_argument("--top-k", type=int, default=None)
+parser.add_argument("--top-p", type=float, default=None)
+parser.add_argument("--reward", default="verifier", help="graders, weighted and summed, as in chat_rl.py: verifier, "
+                    "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
+parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH")
+parser.add_argument("--keep", choices=KEEP, default="verified", help="which answers become SFT rows (see above)")
+parser.add_argument("--threshold", type=float, default=1.0, help="--keep verified: the least reward kept")
+parser.add_argument("--max-per-prompt", type=int, default=1, help="SFT rows per prompt, at most")
+parser.add_argument("--out", default=None, help="SFT JSONL to write (chat_sft.py --data)")
+parser.add_argument("--pairs-out", default=None, help="preference-pair JSONL to write (chat_dpo.py --data)")
+parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn answers, written as "
+                    "the assistant and tool messages they are")
+parser.add_argument("--max-tool-turns", type=int, default=6)
+parser.add_argument("--batch-size", type=int, default=32, help="prompts per engine call")
+parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
+
+
+# ------------------------------------------------------------------------------------------------
+# The rules: which answers of one prompt are kept, and which two make a pair
+
+def keep_answers(rewards, texts, finished, keep="verified", max_per_prompt=1, threshold=1.0):
+    """Indices of the answers of one prompt to keep as SFT rows, best first.
+
+    rewards, texts, finished: per answer (finished = ended with a stop token, not cut at the limit).
+    Candidates: finished answers (and, for "verified", reward >= threshold), in order of reward, highest
+    first, ties in sampling order; a text kept once is skipped after; at most max_per_prompt.
+    "best" keeps the top candidates whatever their reward (best-of-n); "all" keeps every candidate.
+    Example: rewards [1, 0, 1, 0], texts a b c d, all finished: verified, max 1 -> [0]; verified, max 4
+    -> [0, 2]; best, max 1 -> [0]; all, max 4 -> [0, 2, 1, 3]; rewards [0.2, 0.9, 0.5], best -> [1]."""
+    if keep not in KEEP:
+        raise ValueError(f"unknown keep rule {keep!r}; one of {KEEP}")
+    order = sorted(range(len(rewards)), key=lambda i: (-rewards[i], i))
+    kept, seen = [], set()
+    for i in order:
+        if len(kept) == max_per_prompt:
+            break
+        if not finished[i] or texts[i] in seen or (keep == "verified" and rewards[i] < threshold):
+            continue
+        kept.append(i)
+        seen.add(texts[i])
+    return kept
+
+
+def preference_pair(rewards, texts, finished):
+    """(chosen, rejected) indices for one prompt: its first best finished answer against its first worst,
+    or None when the finished answers all score alike (or say the same thing).
+    Example: rewards [0, 1, 1, 0] -> (1, 0); [1, 1, 1, 1] -> None; [0.3, 0.9, 0.1] -> (1, 2)."""
+    done = [i for i in range(len(rewards)) if finished[i]]
+    if not done:
+        return None
+    best = min(done, key=lambda i: (-rewards[i], i))
+    worst = min(done, key=lambda i: (rewards[i], i))
+    if rewards[best] == rewards[worst] or texts[best] == texts[worst]:
+        return None
+    return best, worst
+
+
+# ------------------------------------------------------------------------------------------------
+# Sampling
+
+_TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTALL)
+
+
+def answer_messages(tok, completion) -> list[dict] | None:
+    """The messages of a finished answer: one assistant message, or with tools the assistant's turns (text and
+    calls) and the tool results the engine fed back between them (its forced tokens, mask 0). None when a
+    turn's call does not parse. Example: sampled "<tool_call>...12 * 7...</tool_call><|im_end|>", forced
+    "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n", sampled
+    "#### 84" -> [assistant (the call), tool "84", assistant "#### 84"]."""
+    from tokenizer import completion_message, parse_tool_calls
+    tokens = completion.tokens[:-1]  # the final <|im_end|> (or another stop id) is the renderer's
+    messages, start = [], 0
+    for end in range(1, len(tokens) + 1):
+        if end < len(tokens) and completion.mask[end] == completion.mask[start]:
+            continue
+        text = tok.decode(tokens[start:end])
+        if completion.mask[start] == 0:  # a forced span: the tool results, as one user turn
+            messages += [{"role": "tool", "content": c} for c in _TOOL_RESPONSE.findall(text)]
+        elif "<tool_call>" in text:
+            try:
+                calls = parse_tool_calls(text)
+            except ValueError:
+                return None
+            content = text[:text.index("<tool_call>")].removesuffix("\n")
+            messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+        else:
+            messages.append(completion_message(text))
+        start = end
+    return messages
+
+
+def sample_groups(engine, rows, grader, *, samples, batch_size, seed, rank=0, world_size=1, **sampling):
+    """This rank's share of the prompts, sampled and graded: {prompt index: (rewards, texts, finished,
+    messages)}: per answer its text (everything after the prompt, tool results included), whether it ended on
+    its own, and its messages, or None where they would not render back to exactly the tokens sampled (a
+    call that does not parse, JSON not in the template's form: SFT would train other tokens than these).
+    Batch b (prompts b*batch_size ...) goes to rank b % world_size, sampled with seed + b*batch_size, so
+    that every prompt's answers are the same on any number of ranks."""
+    from rollout import sample
+    tok = engine.tokenizer
+    groups = {}
+    with engine.prepared():  # the sampler's weights, built once for every batch
+        for start in range(rank * batch_size, len(rows), world_size * batch_size):
+            batch = rows[start:start + batch_size]
+            rollouts = sample(engine, batch, grader, samples_per_prompt=samples, seed=seed + start, **sampling)
+            for j, row in enumerate(batch):
+                answers = rollouts.completions[j * samples:(j + 1) * samples]
+                prompt = rollouts.prompts[j * samples]
+                messages = []
+                for c in answers:
+                    m = answer_messages(tok, c) if c.finish_reason == "stop" else None
+                    if m is not None and (tools := row.get("tools") or sampling.get("tool_schemas")) and \
+                            tok.render_conversation(row["prompt"] + m, tools=tools)[0][:len(prompt) + len(c.tokens)] \
+                            != prompt + c.tokens:
+                        m = None
+                    messages.append(m)
+                groups[start + j] = (rollouts.rewards[j * samples:(j + 1) * samples].tolist(),
+                                     [tok.decode(c.tokens[:-1] if c.finish_reason == "stop" else c.tokens)
+                                      for c in answers],
+                                     [c.finish_reason == "stop" for c in answers], messages)
+    return groups
+
+
+def build_rows(rows, groups, keep="verified", max_per_prompt=1, threshold=1.0, tools=None):
+    """SFT rows and preference pairs from the graded groups, in prompt order, and counts. An answer without
+    messages (see sample_groups) is never kept nor paired. `tools`: the schemas the answers were offered."""
+    sft, pairs = [], []
+    counts = {"prompts": len(groups), "answers": 0, "finished": 0, "verified": 0, "reward_sum": 0.0,
+              "prompts_kept": 0, "unrenderable": 0}
+    for p in sorted(groups):
+        rewards, texts, finished, messages = groups[p]
+        row = rows[p]
+        schemas = row.get("tools") or tools
+        extra = {"tools": schemas} if schemas else {}
+        counts["answers"] += len(rewards)
+        counts["finished"] += sum(finished)
+        counts["unrenderable"] += sum(f and m is None for f, m in zip(finished, messages))
+        finished = [f and m is not None for f, m in zip(finished, messages)]
+        counts["verified"] += sum(r >= threshold for r in rewards)
+        counts["reward_sum"] += sum(rewards)
+        kept = keep_answers(rewards, texts, finished, keep, max_per_prompt, threshold)
+        counts["prompts_kept"] += bool(kept)
+        sft += [{"messages": row["prompt"] + messages[i], **extra, "reward": rewards[i]} for i in kept]
+        pair = preference_pair(rewards, texts, finished)
+        if pair is not None:
+            chosen, rejected = pair
+            pairs.append({"prompt": row["prompt"], "chosen": messages[chosen], "rejected": messages[rejected], **extra,
+                          "chosen_reward": rewards[chosen], "rejected_reward": rewards[rejected]})
+    return sft, pairs, counts
+
+
+def write_jsonl(path, rows):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def main():
+    from engine import Engine
+    from model import GPT
+    from rewards import Grader, parse_reward
+    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
+    from tokenizer import Tokenizer
+
+    args = parser.parse_args()
+    # what to write, the reward and the data first: a mistake stops the run before any model is loaded
+    if not args.out and not args.pairs_out:
+        raise UserError("nothing to write: pass --out FILE (SFT rows) and/or --pairs-out FILE (preference pairs)")
+    if args.samples < 1 or args.max_per_prompt < 1:
+        raise UserError(f"--samples {args.samples} and --max-per-prompt {args.max_per_prompt} must be at least 1")
+    if args.pairs_out and args.samples < 2:
+        raise UserError("--pairs-out needs at least 2 --samples per prompt to compare")
+    parse_reward(args.reward)
+    if args.data:
+        rows = load_rl(args.data)
+        rows = rows[:args.num_prompts] if args.num_prompts is not None else rows
+    else:
+        rows = rl_prompts("train", 1000 if args.num_prompts is None else args.num_prompts, seed=args.seed)
+    if not rows:
+        raise UserError(f"--num-prompts {args.num_prompts}: no prompt to sample")
+    dist = init_dist(args.device, args.dist_timeout)
+    seed_everything(args.seed, dist.rank)
+    print_config(args, "chat_sample")
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "rl", "default"))
+    model, tok = GPT.from_hf(init, device=dist.device), Tokenizer.load(init)
+    grader = Grader(args.reward, tok, dist.device, rubric=args.rubric)
+    print0(f"sampling {len(rows)} prompts x {args.samples} answers from {init} on {dist.world_size} rank(s); "
+           f"reward {args.reward}")
+
+    schemas = [CALCULATOR_SCHEMA] if args.tools else None
+    groups = sample_groups(Engine(model, tok, tools=TOOLS if args.tools else None), rows, grader, samples=args.samples,
+                           batch_size=args.batch_size, seed=args.seed * 1_000_003, rank=dist.rank,
+                           world_size=dist.world_size, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, tool_schemas=schemas,
+                           max_tool_turns=args.max_tool_turns)
+    merged = {}
+    for part in all_gather_objects(groups):  # every rank's groups; rank 0 writes
+        merged.update(part)
+    if dist.is_main:
+        sft, pairs, c = build_rows(rows, merged, args.keep, args.max_per_prompt, args.threshold, tools=schemas)
+        print(f"{c['answers']} answers to {c['prompts']} prompts: mean reward {c['reward_sum'] / c['answers']:.3f}, "
+              f"{c['verified'] / c['answers']:.1%} at least {args.threshold:g}, {c['finished'] / c['answers']:.1%} finished"
+              + (f", {c['unrenderable']} finished answers not written (their messages do not render back to the "
+                 f"tokens sampled)" if c["unrenderable"] else ""))
+        if args.out:
+            write_jsonl(args.out, sft)
+            print(f"{len(sft)} SFT rows ({args.keep}, at most {args.max_per_prompt} per prompt; {c['prompts_kept']} "
+                  f"of {c['prompts']} prompts kept an answer) -> {args.out}")
+        if args.pairs_out:
+            write_jsonl(args.pairs_out, pairs)
+            print(f"{len(pairs)} preference pairs (best vs worst, rewards differing) -> {args.pairs_out}")
+
+
+if __name__ == "__main__":
+    run_main(main)
