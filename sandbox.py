@@ -381,11 +381,13 @@ def _set_limit(which, value):
 
 def _run_forked(target, timeout: float, limits: dict):
     """Run target() in a forked child with CPU-time and memory limits; wait at most `timeout` seconds.
-    Returns the wait status, or None on timeout (the child is then killed)."""
+    Returns the wait status, or None on timeout: the child was killed at the deadline, or the kernel
+    killed it for its CPU time (SIGXCPU, then SIGKILL), which on a loaded machine can come first."""
+    cpu = max(1, int(timeout + 0.999))
     pid = os.fork()
     if pid == 0:
         try:
-            cpu, hard = max(1, int(timeout + 0.999)), resource.getrlimit(resource.RLIMIT_CPU)[1]
+            hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
             cpu_limits = (cpu, cpu + 1) if hard == resource.RLIM_INFINITY else (min(cpu, hard), hard)
             resource.setrlimit(resource.RLIMIT_CPU, cpu_limits)  # SIGXCPU, then SIGKILL a second later
             _set_limit(resource.RLIMIT_AS, limits["memory_mb"] << 20)
@@ -394,9 +396,10 @@ def _run_forked(target, timeout: float, limits: dict):
             os._exit(70)  # target() ends with os._exit; reaching here means the harness itself broke
     deadline, delay = time.monotonic() + timeout, 0.0005
     while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        done, status, usage = os.wait4(pid, os.WNOHANG)
         if done:
-            return status
+            out_of_cpu = os.WIFSIGNALED(status) and usage.ru_utime + usage.ru_stime >= cpu - 0.05
+            return None if out_of_cpu else status
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import chat_eval
+import rewards
 from common import UserError
 from engine import Engine
 from model import GPT, GPTConfig
@@ -56,7 +57,7 @@ def scores_by_hand(path, tok):
 
 
 def test_compare_two_models(two_models, tok, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(chat_eval, "verify", even_code_sum)
+    monkeypatch.setattr(rewards, "verify", even_code_sum)  # verify_batch grades through it
     out = tmp_path / "compare.json"
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "--compare", *two_models, "--problems", str(PROBLEMS),
                                       "--samples", str(SAMPLES), "--temperature", str(TEMPERATURE),
@@ -80,7 +81,7 @@ def test_compare_two_models(two_models, tok, tmp_path, monkeypatch, capsys):
 
 def test_compare_a_model_with_itself(two_models, monkeypatch):
     """The same model twice: the same seeds give the same samples, so every difference is exactly 0."""
-    monkeypatch.setattr(chat_eval, "verify", even_code_sum)
+    monkeypatch.setattr(rewards, "verify", even_code_sum)  # verify_batch grades through it
     result = chat_eval.compare_runs(two_models[0], two_models[0], problems=PROBLEMS, samples=SAMPLES,
                                     temperature=TEMPERATURE, max_new_tokens=MAX_NEW)
     for key in ("greedy_pass@1", "pass@1_t1"):

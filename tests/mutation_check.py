@@ -1,0 +1,302 @@
+"""
+A mutation check: plant plausible bugs one at a time and make sure the tests that should catch each do.
+
+    python tests/mutation_check.py               # every mutant; exits 1 if one is missed or no longer applies
+    python tests/mutation_check.py --list        # the mutants, one line each
+    python tests/mutation_check.py --only topk-keeps-k-minus-1 kto-labels-inverted
+
+Each mutant is (name, file, exact source snippet, replacement, the pytest node ids that must catch it, a one-line
+description). For each one, on a temporary copy of the repository (the files git tracks, plus new files it does
+not ignore; the working tree is never edited), the snippet is replaced and only those tests run
+(`pytest -x -q NODE...` in the copy). A mutant is caught when they fail. The copy is first checked unmutated:
+tests that already fail there would "catch" every mutant and prove nothing.
+
+A snippet that no longer occurs exactly once in its file is reported as stale, and the check fails: a refactor
+must update the list, so it cannot rot silently (tests/test_mutation_list.py checks this in the normal suite).
+
+Why a short hand-picked list rather than mutmut or cosmic-ray: each mutant here is a bug someone could write
+(most of them shipped in a large library; see /work/shared/pitfalls.md), a reader can see at once what it breaks,
+and the whole list runs in minutes. Generated mutants number in the thousands for this code, a full run takes
+hours on two cores, and many of them are equivalent (the same behaviour: a changed constant in a log message, a
+`<` for `<=` where the values never tie) and have to be triaged by hand.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    file: str
+    snippet: str
+    replacement: str
+    tests: tuple
+    why: str
+
+
+RL, DPO, SFT, RM, PPO = "tests/test_rl.py::", "tests/test_dpo.py::", "tests/test_sft.py::", "tests/test_rm.py::", "tests/test_ppo.py::"
+UPDATE = RL + "test_update_applies_the_gradient_of_the_flags_objective"
+
+MUTANTS = [
+    # sampling
+    Mutant("topk-keeps-k-minus-1", "model.py",
+           "logits.masked_fill(logits < kth,", "logits.masked_fill(logits <= kth,",
+           ("tests/test_model.py::test_process_logits_top_k_top_p_support",
+            "tests/test_engine.py::test_sampler_draws_from_the_processed_distribution"),
+           "top-k drops the k-th token too: k - 1 tokens kept"),
+    Mutant("sampler-ignores-temperature", "engine.py",
+           "    logits = process_logits(logits, temperature, top_k, top_p)\n    peak",
+           "    logits = process_logits(logits, 1.0, top_k, top_p)\n    peak",
+           ("tests/test_engine.py::test_sampler_draws_from_the_processed_distribution",
+            "tests/test_engine.py::test_engine_logprobs_equal_trainer_recomputation[0.7-20-None]"),
+           "the engine samples at temperature 1 whatever it is asked (trl#4159)"),
+    # KV cache positions
+    Mutant("decode-position-is-cache-index", "model.py",
+           "        pos = kv_cache.next_pos\n        dtype",
+           "        pos = torch.full_like(kv_cache.next_pos, t)\n        dtype",
+           ("tests/test_engine.py::test_cached_greedy_equals_recompute_and_batch_equals_alone",
+            "tests/test_engine.py::test_engine_logprobs_equal_trainer_recomputation[1.0-None-None]",
+            "tests/test_model.py::test_decode_step_equals_the_cached_forward[True]"),
+           "a decode step's RoPE position is the cache length, wrong for left-padded prompts (unsloth#3699)"),
+    # packing boundaries
+    Mutant("packed-sequences-share-a-document", "common.py",
+           "            docs[r, col:col + n] = d\n", "            docs[r, col:col + n] = 0\n",
+           (DPO + "test_padded_and_packed_logp_sums_equal_unpadded_sums",),
+           "pack_sequences puts every sequence of a row in one document: attention crosses them"),
+    Mutant("sft-collate-one-document", "common.py",
+           "docs += [d] * len(x)", "docs += [0] * len(x)",
+           (SFT + "test_packing_keeps_labels_positions_and_isolation",),
+           "SFT packing: positions do not restart and attention crosses conversations"),
+    # loss masks
+    Mutant("sft-mask-off-by-one", "chat_sft.py",
+           "zip(ids[1:], mask[1:])", "zip(ids[1:], mask[:-1])",
+           (SFT + "test_labels_are_exactly_the_assistant_tokens",),
+           "SFT grades the token after each assistant token, not the assistant's tokens"),
+    Mutant("rl-mask-trains-forced-tokens", "rollout.py",
+           "m[b, start:n] = torch.tensor(c.mask, dtype=torch.float)", "m[b, start:n] = 1.0",
+           (RL + "test_rollout_mask_covers_exactly_the_sampled_tokens",),
+           "the RL loss mask covers forced tool-result tokens"),
+    # normalizers
+    Mutant("rl-normalizer-per-pass", "chat_rl.py",
+           "normalizer=norm, max_len=args.max_new_tokens", "normalizer=None, max_len=args.max_new_tokens",
+           (UPDATE + "[token-ppo-token-mean]",),
+           "each forward pass divides by its own token count, not the minibatch's (open-instruct#1137)"),
+    Mutant("seq-mean-divides-by-padded-length", "chat_rl.py",
+           "per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)",
+           "per_seq = (per_token * mask).sum(-1) / mask.size(-1)",
+           (RL + "test_aggregations_normalize_as_documented", RL + "test_gspo_two_sequences_of_different_lengths"),
+           "seq-mean-token-mean averages over the padded length, not the answer's tokens"),
+    Mutant("sft-normalizer-per-micro-batch", "chat_sft.py",
+           "loss = sft_loss(fwd(x, y, doc_ids=d), n_global)",
+           "loss = sft_loss(fwd(x, y, doc_ids=d), float((y != IGNORE).sum()))",
+           (SFT + "test_accumulation_ddp_and_fsdp_equal_one_big_batch",),
+           "SFT divides each micro-batch by its own token count (verl#5625)"),
+    # advantages
+    Mutant("grpo-sample-std", "chat_rl.py",
+           "r.std(dim=1, unbiased=False, keepdim=True)", "r.std(dim=1, unbiased=True, keepdim=True)",
+           (RL + "test_grpo_and_dr_grpo_advantages_worked_table",),
+           "GRPO divides by the sample std, not the population std of the group"),
+    Mutant("rloo-baseline-divides-by-g", "chat_rl.py",
+           "(r.sum(dim=1, keepdim=True) - r) / (group_size - 1)", "(r.sum(dim=1, keepdim=True) - r) / group_size",
+           (RL + "test_grpo_and_dr_grpo_advantages_worked_table",),
+           "RLOO's leave-one-out mean divided by G instead of G - 1"),
+    Mutant("scale-batch-not-applied", "chat_rl.py",
+           'scale="none", estimator=estimator) / (var ** 0.5 + 1e-6)', 'scale="none", estimator=estimator)',
+           (RL + "test_batch_scale_divides_by_the_whole_batchs_std",),
+           "--scale batch in the loop does not divide by the batch's std"),
+    Mutant("gae-without-lambda", "chat_ppo.py",
+           "adv_t = delta + gamma * lam * next_adv", "adv_t = delta + gamma * next_adv",
+           (PPO + "test_gae_worked_table",),
+           "GAE drops lambda: Monte-Carlo advantages"),
+    # the policy loss and its wiring in the loop
+    Mutant("rl-kl-k3-in-loss", "chat_rl.py",
+           "kl = kl_penalty(logp, ref_logp[i, :cols], args.kl_kind)", 'kl = kl_penalty(logp, ref_logp[i, :cols], "k3")',
+           (UPDATE + "[token-ppo-token-mean-k2]", UPDATE + "[token-ppo-token-mean-k1]"),
+           "chat_rl puts k3 into the loss whatever --kl-kind says (trl#4637)"),
+    Mutant("rl-level-ignored", "chat_rl.py",
+           "level=args.level, agg=args.agg", 'level="token", agg=args.agg',
+           (UPDATE + "[sequence-ppo-seq-mean-token-mean]",),
+           "--level sequence (GSPO) never reaches the loss"),
+    Mutant("rl-agg-ignored", "chat_rl.py",
+           "level=args.level, agg=args.agg", 'level=args.level, agg="token-mean"',
+           (UPDATE + "[token-ppo-seq-mean-token-mean]",),
+           "--agg never reaches the loss"),
+    Mutant("rl-loss-type-ignored", "chat_rl.py",
+           "loss_type=args.loss, normalizer", 'loss_type="ppo", normalizer',
+           (UPDATE + "[token-cispo-token-mean]",),
+           "--loss cispo never reaches the loss"),
+    Mutant("gspo-ratio-not-length-normalized", "chat_rl.py",
+           "seq_log_ratio = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)",
+           "seq_log_ratio = (log_ratio * mask).sum(-1)",
+           (RL + "test_gspo_sequence_ratio_worked_table",),
+           "GSPO's sequence ratio is the product of token ratios, not their geometric mean"),
+    Mutant("clip-higher-swapped", "chat_rl.py",
+           "clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)", "clipped_ratio = ratio.clamp(1 - eps_high, 1 + eps_low)",
+           (RL + "test_clip_higher_table",),
+           "eps_low and eps_high swapped"),
+    Mutant("k2-without-half", "rollout.py",
+           "return 0.5 * log_r ** 2", "return log_r ** 2",
+           (RL + "test_kl_estimator_gradients_against_the_analytic_kl",),
+           "k2 without its 1/2: twice the KL gradient"),
+    # the ratio snapshot
+    Mutant("rl-ratio-against-itself", "chat_rl.py",
+           "policy_loss(logp, old_logp[i, :cols], adv, m,", "policy_loss(logp, logp.detach(), adv, m,",
+           (UPDATE + "[token-ppo-token-mean]",),
+           "the importance ratio is exp(logp - logp.detach()) = 1: no clipping ever (trl#2769)"),
+    Mutant("ppo-ratio-against-itself", "chat_ppo.py",
+           "log_ratio = logp - old_logp ", "log_ratio = logp - logp.detach() ",
+           (PPO + "test_second_epoch_uses_the_snapshot_ratio",),
+           "PPO's ratio against the current policy, not the snapshot (trl#2769)"),
+    # the loop's rollouts
+    Mutant("dynamic-sampling-drops-last-round", "chat_rl.py",
+           "if last or not f]", "if not f]",
+           (RL + "test_dynamic_sampling_drops_flat_groups_and_fills_the_batch",),
+           "dynamic sampling drops flat groups in its last round too: the batch comes out short"),
+    Mutant("tis-cap-ignored", "chat_rl.py",
+           "args.correction, cap=args.tis_cap,", "args.correction, cap=2.0,",
+           (RL + "test_loop_runs_off_policy_and_stale[stale]",),
+           "chat_rl's sampler correction ignores --tis-cap"),
+    # reward position
+    Mutant("rm-score-one-token-early", "rewards.py",
+           "return values[ends[0].to(dev), ends[1].to(dev)]", "return values[ends[0].to(dev), ends[1].to(dev) - 1]",
+           (RM + "test_score_ignores_padding_side_batch_size_and_batch_mates",),
+           "the reward model reads its score one token before <|im_end|>"),
+    Mutant("ppo-score-at-first-answer-token", "chat_ppo.py",
+           "last = mask.size(1) - 1 - mask.flip(1).argmax(1)", "last = mask.argmax(1)",
+           (PPO + "test_token_rewards_score_at_last_answer_token_and_kl_everywhere",),
+           "PPO puts the answer's score at its first token, not its last"),
+    Mutant("grader-weights-ignored", "rewards.py",
+           "grades.total += weight * grades.parts[name]", "grades.total += grades.parts[name]",
+           ("tests/test_judge.py::test_grader_weighs_and_returns_every_component",),
+           "--reward verifier+0.1*format adds the format reward at weight 1"),
+    # DPO family
+    Mutant("kto-labels-inverted", "chat_dpo.py",
+           "good = torch.tensor([g for _, _, g in answers]", "good = torch.tensor([not g for _, _, g in answers]",
+           (DPO + "test_kto_micro_loss_follows_each_answers_label",
+            DPO + "test_a_few_steps_on_a_separable_toy_push_the_margin_the_right_way[kto]",
+            DPO + "test_orpo_and_kto_train[kto]", DPO + "test_kto_reads_unpaired_answers"),
+           "KTO's training loop treats good answers as bad and bad as good"),
+    Mutant("orpo-nll-dropped", "chat_dpo.py",
+           "loss = losses.sum() / pairs_per_step - chosen.sum() / chosen_tokens_per_step",
+           "loss = losses.sum() / pairs_per_step",
+           (DPO + "test_orpo_micro_loss_is_the_odds_ratio_term_plus_the_chosen_answers_nll",
+            DPO + "test_orpo_and_kto_train[orpo]"),
+           "ORPO's loop drops the chosen answers' NLL: only the odds-ratio term is left"),
+    Mutant("dpo-reference-ignored", "chat_dpo.py",
+           "chosen_logratios = policy_chosen_logps - ref_chosen_logps", "chosen_logratios = policy_chosen_logps",
+           (DPO + "test_each_loss_type_at_a_hand_computed_point",),
+           "DPO ignores the chosen answer's reference log-prob (trl#1962)"),
+    # resume, DDP
+    Mutant("resume-without-optimizer-state", "common.py",
+           "    elif optimizer is not None:\n        if sharded:", "    elif False:\n        if sharded:",
+           ("tests/test_resume.py::test_killed_run_resumes_exactly[sft]",),
+           "a resumed run starts AdamW afresh instead of loading its moments"),
+    Mutant("ddp-averages-gradients", "common.py",
+           "return dist.all_reduce(bucket.buffer(), async_op=True)",
+           "return dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True)",
+           (RL + "test_two_ranks_with_uneven_lengths_equal_one_rank[token-mean]",),
+           "DDP averages gradients over ranks while the losses are already divided by the global count"),
+]
+
+
+def source_files(repo):
+    """The files git tracks, plus untracked ones it does not ignore (new tests not committed yet)."""
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=repo,
+                         capture_output=True, text=True, check=True).stdout
+    return [f for f in out.split("\0") if f and os.path.isfile(os.path.join(repo, f))]
+
+
+def stale(mutant, repo=REPO):
+    """Why a mutant cannot be applied (its snippet missing or ambiguous), or None."""
+    path = os.path.join(repo, mutant.file)
+    if not os.path.isfile(path):
+        return f"{mutant.file} does not exist"
+    with open(path, encoding="utf-8") as f:
+        n = f.read().count(mutant.snippet)
+    return None if n == 1 else f"the snippet occurs {n} times in {mutant.file}, not once"
+
+
+def run_tests(copy, tests, timeout):
+    """(outcome, seconds, output tail) of `pytest -x -q TESTS` in the copy: "pass", "fail" (a test failed or
+    timed out), or "error" (pytest could not run them: a node id that does not exist)."""
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        r = subprocess.run(cmd, cwd=copy, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    except subprocess.TimeoutExpired:
+        return "fail", time.time() - t0, "timed out"
+    outcome = {0: "pass", 1: "fail"}.get(r.returncode, "error")  # 4: a node id not found; 5: nothing collected
+    return outcome, time.time() - t0, (r.stdout + r.stderr)[-2000:]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutants")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mutant's tests")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the tests")
+    args = ap.parse_args()
+    mutants = MUTANTS
+    if args.only:
+        unknown = set(args.only) - {m.name for m in MUTANTS}
+        if unknown:
+            sys.exit(f"unknown mutant(s): {', '.join(sorted(unknown))}")
+        mutants = [m for m in MUTANTS if m.name in args.only]
+    if args.list:
+        for m in mutants:
+            print(f"{m.name:36s} {m.file:12s} {m.why}")
+        return 0
+
+    problems = [(m, why) for m in mutants if (why := stale(m))]
+    for m, why in problems:
+        print(f"STALE  {m.name}: {why}")
+    mutants = [m for m in mutants if m not in {p[0] for p in problems}]
+
+    t_start = time.time()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="nanopost-mutants-") as tmp:
+        copy = os.path.join(tmp, "repo")
+        for f in source_files(REPO):
+            os.makedirs(os.path.dirname(os.path.join(copy, f)) or copy, exist_ok=True)
+            shutil.copy2(os.path.join(REPO, f), os.path.join(copy, f))
+        if not args.no_baseline:
+            every = sorted({t for m in mutants for t in m.tests})
+            outcome, secs, out = run_tests(copy, every, args.timeout * 2)
+            print(f"baseline: {len(every)} tests on the unmutated copy: {outcome} ({secs:.0f} s)")
+            if outcome != "pass":
+                print(out)
+                return 1
+        for m in mutants:
+            path = os.path.join(copy, m.file)
+            with open(path, encoding="utf-8") as f:
+                original = f.read()
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(original.replace(m.snippet, m.replacement))
+            try:
+                outcome, secs, out = run_tests(copy, list(m.tests), args.timeout)
+            finally:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(original)
+            verdict = {"fail": "caught", "pass": "MISSED", "error": "ERROR"}[outcome]
+            results.append((m, verdict))
+            print(f"{verdict:6s}  {secs:5.1f} s  {m.name:36s} {m.why}", flush=True)
+            if verdict == "ERROR":
+                print(out)
+
+    missed = [m for m, v in results if v != "caught"]
+    print(f"\n{len(results) - len(missed)} of {len(results)} mutants caught, {len(missed)} missed or in error, "
+          f"{len(problems)} stale; {time.time() - t_start:.0f} s")
+    return 1 if missed or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Collectives that scale: --dist-timeout bounds how long a rank waits in a collective, and held-out
+evaluation split across 2 gloo ranks (each its share, the sums all-reduced) equals one process."""
+import json
+import os
+import socket
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+import rewards
+from chat_eval import evaluate_chat
+from common import cleanup_dist, heldout_loss, init_dist
+from model import GPT, GPTConfig
+from tasks import rl_prompts, sft_conversations
+
+torch.set_num_threads(1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(rank, port):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _late_rank(rank, port, out):
+    _env(rank, port)
+    init_dist("cpu", timeout_minutes=0.05)  # 3 s
+    if rank == 0:
+        time.sleep(12)  # busy elsewhere (a long evaluation, a slow checkpoint): never joins the barrier
+        return
+    t0 = time.time()
+    try:
+        torch.distributed.barrier()
+        outcome = "returned"
+    except RuntimeError as e:
+        outcome = f"raised: {e}"
+    with open(out, "w") as f:
+        json.dump({"seconds": time.time() - t0, "outcome": outcome}, f)
+
+
+def test_a_rank_waiting_past_dist_timeout_gives_up_instead_of_hanging(tmp_path):
+    ctx, port, out = mp.get_context("spawn"), free_port(), str(tmp_path / "waited.json")
+    procs = [ctx.Process(target=_late_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    with open(out) as f:
+        waited = json.load(f)
+    assert waited["outcome"].startswith("raised") and 2 <= waited["seconds"] < 10, waited
+
+
+def even_code_sum(verifier, answer, truth):  # a random model never answers right: grade a property of the text
+    return float(sum(map(ord, answer)) % 2 == 0)
+
+
+def _evaluate(rank, world, port, folder, out):
+    from tokenizer import Tokenizer
+    if world > 1:  # a spawned rank: patch its own rewards module (the 1-process call is patched by the test)
+        _env(rank, port)
+        rewards.verify = even_code_sum
+    init_dist("cpu")
+    model, tok = GPT.from_hf(folder), Tokenizer.load(folder)
+    metrics, correct = evaluate_chat(model, tok, rl_prompts("test", 7), max_new_tokens=10, per_prompt=True)
+    from chat_sft import build_rows, render_examples
+    examples, _ = render_examples(tok, sft_conversations("val", 9), 512, "drop")
+    loss = heldout_loss(model, examples, build_rows(examples, 512, "bfd"), tok.pad_id, 512, "bfd", "cpu", batch_size=2)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"metrics": metrics, "correct": correct, "val_loss": loss}, f)
+    cleanup_dist()
+
+
+def test_evaluation_on_two_ranks_equals_one_process(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(rewards, "verify", even_code_sum)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                          intermediate_size=64, max_seq_len=512))
+    with torch.no_grad():  # weights drawn wide, so that greedy answers differ from prompt to prompt
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    model.save_hf(str(tmp_path / "model"), tok)
+    _evaluate(0, 1, None, str(tmp_path / "model"), str(tmp_path / "one.json"))
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_evaluate, args=(r, 2, port, str(tmp_path / "model"), str(tmp_path / "two.json")))
+             for r in range(2)]  # 7 problems and 9 conversations: uneven shares
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["correct"] == two["correct"] and 0 < sum(one["correct"]) < 7  # the same answers, graded alike
+    for k, v in one["metrics"].items():
+        assert abs(v - two["metrics"][k]) < 1e-9, k
+    assert abs(one["val_loss"] - two["val_loss"]) < 1e-5
