@@ -417,7 +417,8 @@ def main():
     model = wrap_model(load_model(init, fsdp=args.fsdp, lora=lora_options(args)), fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:  # sampled from the starting policy, before any update
         prompts = rl_prompts("train", args.num_train, seed=args.seed)
-        train_rows = on_policy_rows(model, tok, prompts, args.samples, args.temperature, args.max_new_tokens, args.seed)
+        train_rows = on_policy_rows(model, tok, prompts, samples=args.samples, temperature=args.temperature,
+                                    max_new_tokens=args.max_new_tokens, seed=args.seed)
         print0(f"on-policy: {len(train_rows)} pairs from {len(prompts)} prompts x {args.samples} samples")
         if not train_rows:
             raise UserError("--pairs on-policy: no prompt had both a correct and an incorrect answer, nothing to "

@@ -394,7 +394,7 @@ def main():
 
         # 3. rewards (score at the end, KL everywhere) and advantages (GAE, then whitened over all ranks)
         rewards, kl = token_rewards(scores, old_logp, ref_logp, mask, kl_beta, args.kl_kind)
-        advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
+        advantages, returns = gae(rewards, old_values, mask, gamma=args.gamma, lam=args.lam)
         if args.whiten:
             advantages = whiten(advantages, mask)
         explained_var = explained_variance(old_values, returns, mask)
@@ -455,7 +455,8 @@ def main():
         n_ans = all_reduce_sum(float(len(rollouts)))
         kl_per_answer = all_reduce_sum(float(kl.sum())) / n_ans
         if args.kl_target is not None:
-            kl_beta = adaptive_kl_beta(kl_beta, kl_per_answer, args.kl_target, args.kl_horizon, n_ans)
+            kl_beta = adaptive_kl_beta(kl_beta, kl_per_answer, target=args.kl_target, horizon=args.kl_horizon,
+                                       n_answers=n_ans)
 
         # 6. log (every number summed over ranks) and stop when the time budget is spent
         train_clock += time.time() - t_step

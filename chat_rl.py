@@ -275,7 +275,7 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, ref_logp, we
                         else:
                             logp = model(x, y, **logits_settings)
                     adv = advantages[i] if advantages.dim() == 1 else advantages[i, :cols]
-                    loss, st = policy_loss(logp, old_logp[i, :cols], adv, m, args.eps_low, args.eps_high,
+                    loss, st = policy_loss(logp, old_logp[i, :cols], adv, m, eps_low=args.eps_low, eps_high=args.eps_high,
                                            dual_clip=args.dual_clip, level=args.level, agg=args.agg,
                                            loss_type=args.loss, normalizer=norm, max_len=args.max_new_tokens,
                                            weights=None if weights is None else weights[i, :cols])
