@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import sys
 
 from common import UserError, all_gather_objects, init_dist, nanopost_home, print0, print_config, \
     resolve_model_path, run_main, seed_everything
@@ -150,6 +151,16 @@ def answer_messages(tok, completion) -> list[dict] | None:
     return messages
 
 
+def renders_back(tok, messages, tools, tokens) -> bool:
+    """Whether the conversation renders to exactly `tokens` (then the final stop token). A call can parse as
+    JSON and still not be a message, e.g. {"name": "", ...}: the renderer refuses it, and so do we."""
+    try:
+        rendered = tok.render_conversation(messages, tools=tools)[0]
+    except ValueError:
+        return False
+    return rendered[:len(tokens)] == tokens
+
+
 def sample_groups(engine, rows, grader, *, samples, batch_size, seed, rank=0, world_size=1, **sampling):
     """This rank's share of the prompts, sampled and graded: {prompt index: (rewards, texts, finished,
     messages)}: per answer its text (everything after the prompt, tool results included), whether it ended on
@@ -171,8 +182,7 @@ def sample_groups(engine, rows, grader, *, samples, batch_size, seed, rank=0, wo
                 for c in answers:
                     m = answer_messages(tok, c) if c.finish_reason == "stop" else None
                     if m is not None and (tools := row.get("tools") or sampling.get("tool_schemas")) and \
-                            tok.render_conversation(row["prompt"] + m, tools=tools)[0][:len(prompt) + len(c.tokens)] \
-                            != prompt + c.tokens:
+                            not renders_back(tok, row["prompt"] + m, tools, prompt + c.tokens):
                         m = None
                     messages.append(m)
                 groups[start + j] = (rollouts.rewards[j * samples:(j + 1) * samples].tolist(),
@@ -264,6 +274,13 @@ def main():
               f"{c['verified'] / c['answers']:.1%} at least {args.threshold:g}, {c['finished'] / c['answers']:.1%} finished"
               + (f", {c['unrenderable']} finished answers not written (their messages do not render back to the "
                  f"tokens sampled)" if c["unrenderable"] else ""))
+        # an empty file only fails the next stage, with less to go on: say so here
+        if args.out and not sft:
+            print(f"warning: --out {args.out} gets no row: --keep {args.keep} kept no answer of {c['prompts']} prompts; "
+                  f"sample more (--samples, --num-prompts), --keep best, or a stronger --init", file=sys.stderr)
+        if args.pairs_out and not pairs:
+            print(f"warning: --pairs-out {args.pairs_out} gets no pair: no prompt's finished answers differ in reward; "
+                  f"sample more (--samples, --num-prompts) or another --reward", file=sys.stderr)
         if args.out:
             write_jsonl(args.out, sft)
             print(f"{len(sft)} SFT rows ({args.keep}, at most {args.max_per_prompt} per prompt; {c['prompts_kept']} "

@@ -231,6 +231,8 @@ def test_data_file_prompts_are_all_sampled_and_num_prompts_takes_the_first(tmp_p
                        "--keep", "all", "--out", str(tmp_path / "o.jsonl"), *extra)
         assert r.returncode == 0, r.stderr[-3000:]
         assert expect in r.stdout
+        empty = not (tmp_path / "o.jsonl").read_text()  # 4 tokens: a random model rarely stops in time
+        assert ("warning: --out" in r.stderr) == empty, r.stderr[-3000:]
 
 
 def test_tool_answers_become_the_messages_that_render_back_to_the_tokens_sampled(tok, tmp_path):
@@ -270,3 +272,10 @@ def test_tool_answers_become_the_messages_that_render_back_to_the_tokens_sampled
     sft, _, counts = build_rows([row], groups, "verified", tools=tools)
     assert groups[0][0] == [1.0] and groups[0][2] == [True] and groups[0][3] == [None]
     assert sft == [] and counts["unrenderable"] == 1
+    # a call that is JSON but names no tool: the renderer refuses the message, so it is not written either
+    nameless = '<tool_call>\n{"name": "", "arguments": {"expression": "84 - 5"}}\n</tool_call>'
+    script = prompt + tok.encode(nameless) + [tok.eos_id] + tok.render_tool_responses(run_tool_calls(nameless, TOOLS)) + \
+        tok.encode("#### 79") + [tok.eos_id]
+    groups = sample_groups(Engine(ScriptedGPT(tok.vocab_size, script), tok, tools=TOOLS), [row], Grader("verifier", tok),
+                           samples=1, batch_size=1, seed=0, max_new_tokens=len(script), temperature=0.0, tool_schemas=tools)
+    assert groups[0][0] == [1.0] and groups[0][3] == [None]
