@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DeepSeek-R1's recipe (Guo et al. 2025, https://arxiv.org/abs/2501.12948) on the embedded world, on CPU:
-#   1. cold-start SFT            a small SFT on the world's conversations (R1: a few thousand long CoT examples)
+#   1. cold-start SFT            SFT on 6,000 of the world's conversations (R1: thousands of long CoT examples)
 #   2. GRPO                      RL with the verifier and the calculator, from the cold-start model
 #   3. rejection sampling        chat_sample.py --tools: 4 answers to each of 800 training problems from the
 #                                GRPO model, the verified ones kept (one per problem), calls and results included
@@ -11,7 +11,8 @@
 # runs/cpu.sh), else trains them first (~3 min more).
 #   bash runs/r1.sh                      # everything under ./out/cpu
 #   NANOPOST_HOME=/tmp/np bash runs/r1.sh
-#   SFT_CONVERSATIONS=64 RL_SECONDS=2 SAMPLE_PROMPTS=16 EVAL_PROBLEMS=4 bash runs/r1.sh   # a smoke test
+#   SFT_CONVERSATIONS=3000 RL_SECONDS=60 bash runs/r1.sh    # every step in ~8 min, to weaker numbers
+# A model trained too little gets no sampled answer right: step 3 then warns that it kept nothing, and step 4 stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; .venv/bin/pip install -q -r requirements.txt; fi
@@ -19,7 +20,7 @@ PY=.venv/bin/python
 TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=2"
 export NANOPOST_HOME="${NANOPOST_HOME:-$PWD/out/cpu}"
 H=$NANOPOST_HOME
-SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-3000} RL_SECONDS=${RL_SECONDS:-60}
+SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_SECONDS=${RL_SECONDS:-180}
 SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-800} EVAL_PROBLEMS=${EVAL_PROBLEMS:-200}
 mkdir -p "$H"
 echo "DeepSeek-R1's recipe on the embedded world -> $H"
