@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tulu 3's recipe (Lambert et al. 2024, https://arxiv.org/abs/2411.15124) on the embedded world, on CPU:
-#   1. SFT
+#   1. SFT                          SFT on 6,000 of the world's conversations
 #   2. on-policy preference pairs   chat_sample.py --tools: 4 answers to each of 800 training problems from the
 #                                   SFT model, judged by the verifier; per problem its best answer against its
 #                                   worst, where they differ (Tulu 3 judged with an LLM; any --reward works)
@@ -11,7 +11,8 @@
 # after runs/cpu.sh), else trains them first (~3 min more).
 #   bash runs/tulu3.sh                   # everything under ./out/cpu
 #   NANOPOST_HOME=/tmp/np bash runs/tulu3.sh
-#   SFT_CONVERSATIONS=64 RL_SECONDS=2 SAMPLE_PROMPTS=16 EVAL_PROBLEMS=4 bash runs/tulu3.sh   # a smoke test
+#   SFT_CONVERSATIONS=3000 RL_SECONDS=60 bash runs/tulu3.sh    # quicker, to weaker numbers
+# A model trained too little gets no pair of differing answers: step 2 then warns that it wrote none, and step 3 stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; .venv/bin/pip install -q -r requirements.txt; fi
@@ -19,7 +20,7 @@ PY=.venv/bin/python
 TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=2"
 export NANOPOST_HOME="${NANOPOST_HOME:-$PWD/out/cpu}"
 H=$NANOPOST_HOME
-SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-3000} RL_SECONDS=${RL_SECONDS:-90}
+SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_SECONDS=${RL_SECONDS:-150}
 SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-800} EVAL_PROBLEMS=${EVAL_PROBLEMS:-200}
 mkdir -p "$H"
 echo "Tulu 3's recipe on the embedded world -> $H"
