@@ -20,7 +20,7 @@ PY=.venv/bin/python
 TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=2"
 export NANOPOST_HOME="${NANOPOST_HOME:-$PWD/out/cpu}"
 H=$NANOPOST_HOME
-SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_SECONDS=${RL_SECONDS:-150}
+SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_SECONDS=${RL_SECONDS:-300}
 SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-800} EVAL_PROBLEMS=${EVAL_PROBLEMS:-200}
 mkdir -p "$H"
 echo "Tulu 3's recipe on the embedded world -> $H"
