@@ -21,19 +21,19 @@ import time
 
 import torch
 
-from common import (IGNORE, MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
-                    check_finite, dist_info, epoch_batch, heldout_loss, init_dist, load_model,
-                    load_training_state, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    pack_bfd, peak_memory_mb, print0, print_config, progress, resume_checkpoint, run_dir, run_main,
-                    save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
 import memory
+from checkpoint import load_model, resume_checkpoint, resume_step, save_checkpoint
+from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
+                    check_finite, dist_info, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from engine import Engine
 from model import GPT, GPTConfig
+from packing import IGNORE, epoch_batch, heldout_loss, make_batch, pack_bfd
+from rewards import has_format, verify
+from tasks import generate_problems, pretrain_text, sft_conversations
+from tokenizer import Tokenizer, render_text
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/base/<run>")
-parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
-parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-parser.add_argument("--seed", type=int, default=0)
 # tokenizer
 parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size, specials included")
 parser.add_argument("--tokenizer", default=None, help="use this tokenizer.json instead of training one")
@@ -53,22 +53,17 @@ parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--warmup-steps", type=int, default=30)
 parser.add_argument("--weight-decay", type=float, default=0.1)
 parser.add_argument("--grad-clip", type=float, default=1.0)
-parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
-parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
-parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--compile", action="store_true", help="torch.compile the model (+~20%% after a ~30 s compile)")
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=100)
 parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems sampled at the end")
 parser.add_argument("--save-every", type=int, default=200)
-parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+add_run_flags(parser, "base")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
 
 
 def build_tokenizer(args, dist):
     """Train the BPE on the world's text (plain documents and rendered chats, so chat words are in
     the vocabulary), once, shared by every stage through $NANOPOST_HOME/tokenizer/."""
-    from tasks import pretrain_text, sft_conversations
-    from tokenizer import Tokenizer, render_text
     if args.tokenizer:
         return Tokenizer.load(args.tokenizer)
     path = os.path.join(nanopost_home(), "tokenizer")
@@ -89,7 +84,6 @@ def documents(tok, split, num_docs, seed, seq_len):
     document stops. Inputs and targets are built per document, then packed best-fit into rows where
     attention and positions restart at every document: exactly how SFT conversations and inference
     prompts are seen (a prompt at position 0, with nothing before it)."""
-    from tasks import pretrain_text
     examples, too_long = [], 0
     for doc in pretrain_text(split, num_docs, seed=seed):
         ids = tok.encode(doc) + [tok.endoftext_id]
@@ -106,9 +100,6 @@ def documents(tok, split, num_docs, seed, seq_len):
 def eval_samples(model, tok, n, seed, max_new_tokens=160):
     """Greedy-complete held-out questions the way the base saw them ("question\\n") and grade them; every
     rank its share of the problems, the counts summed. Returns (metrics, rank 0's first samples)."""
-    from engine import Engine
-    from rewards import format_ok, verify
-    from tasks import generate_problems
     info = dist_info()
     problems = generate_problems("test", n, seed=seed)[info.rank::info.world_size]
     engine = Engine(unwrap(model), tok)
@@ -116,7 +107,7 @@ def eval_samples(model, tok, n, seed, max_new_tokens=160):
         outs = engine.generate([tok.encode(p.question + "\n") for p in problems], max_new_tokens=max_new_tokens,
                                temperature=0.0) if problems else []
     texts = [tok.decode([t for t in o.tokens if t not in tok.stop_ids]) for o in outs]
-    sums = all_reduce_dict({"format_rate": sum(format_ok(t) for t in texts),
+    sums = all_reduce_dict({"format_rate": sum(has_format("gsm8k", t) for t in texts),
                             "pass@1": sum(verify("gsm8k", t, str(p.answer)) for t, p in zip(texts, problems)),
                             "stop_rate": sum(o.finish_reason == "stop" for o in outs)},
                            keys=["format_rate", "pass@1", "stop_rate"])
@@ -125,13 +116,8 @@ def eval_samples(model, tok, n, seed, max_new_tokens=160):
 
 def main():
     args = parser.parse_args()
-    dist = init_dist(args.device, args.dist_timeout)
+    dist, out_dir, log = start_run(args, "base", "base_train")
     device = dist.device
-    seed_everything(args.seed, dist.rank)
-    print_config(args, "base_train")
-    out_dir = run_dir("base", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"base/{args.run_name}",
-                        config=vars(args))
 
     tok = build_tokenizer(args, dist)
     train_ex = documents(tok, "train", args.num_docs, args.seed, args.seq_len)
@@ -162,12 +148,7 @@ def main():
     model = wrap_model(model, fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = 0
-    if ckpt:
-        start_step = load_training_state(ckpt, optimizer, model)["step"]
-        print0(f"resumed from {ckpt} at step {start_step}")
-    elif dist.is_main and os.path.exists(log.path):
-        os.remove(log.path)  # a fresh run starts a fresh log
+    start_step = resume_step(ckpt, optimizer, model)
     print0(f"model: {unwrap(model).num_params():,} parameters, {config}")
     fwd = torch.compile(model) if args.compile else model
 
@@ -213,8 +194,7 @@ def main():
             print0(f"--- sample ---\n{q}\n{t}")
         print0(f"held-out ({args.eval_problems} problems, greedy): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         log.log(args.steps, **{f"final/{k}": v for k, v in scores.items()})
-        if dist.is_main:
-            write_eval(out_dir, scores)
+        write_eval(out_dir, scores)
     log.close()
 
 

@@ -20,9 +20,11 @@ import sys
 
 import torch
 
-from common import UserError, compute_dtype, resolve_model_path, run_main
+from checkpoint import load_hf, resolve_model_path
+from common import UserError, compute_dtype, run_main
 from engine import Engine
 from tasks import CALCULATOR_SCHEMA, TOOLS
+from tokenizer import Tokenizer
 
 
 def next_prompt(tok, conversation, user_text, tools=None):
@@ -83,14 +85,12 @@ def chat_turn(engine, tok, prompt, args, turn, out=sys.stdout):
 
 def load(path, device):
     """The chat model and tokenizer at `path`, in the compute dtype (nothing here trains)."""
-    from model import GPT
-    from tokenizer import Tokenizer
     path = resolve_model_path(path)  # a UserError naming the path when there is nothing to load
     try:
         tok = Tokenizer.load(path)
     except (FileNotFoundError, ValueError) as e:  # no tokenizer.json, or no ChatML tokens in it
         raise UserError(str(e) if path in str(e) else f"{path}: {e}") from None
-    model = GPT.from_hf(path, dtype=compute_dtype(device), device=device)
+    model = load_hf(path, dtype=compute_dtype(device), device=device)
     if model.config.head != "lm":
         raise UserError(f"{path}: a reward model or critic (one score per token), not a chat model")
     return model.eval(), tok

@@ -43,14 +43,20 @@ import time
 
 import torch
 
-from chat_rl import parser as rl_parser
+import memory
 from chat_rl import update_policy
-from common import (MetricsLogger, UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, 
-                    compute_dtype, idle_pass, init_dist, learning_rate, load_model, load_training_state, lr_at,
-                    make_optimizer, micro_batches, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0,
-                    print_config, progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
-                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
-from rollout import CORRECTIONS, batch_logprobs, sample, sampler_correction, training_batch
+from checkpoint import load_config, load_model, load_training_state, resolve_model_path, resume_checkpoint, save_checkpoint
+from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, compute_dtype,
+                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from data import rl_rows
+from engine import Engine
+from evaluation import heldout_scores
+from packing import micro_batches
+from rewards import Grader
+from rollout import CORRECTIONS, batch_logprobs, draw_prompts, sample, sampler_correction, training_batch
+from tasks import CALCULATOR_SCHEMA, TOOLS
+from tokenizer import Tokenizer
 
 parser = argparse.ArgumentParser(description="on-policy distillation from a teacher sharing the tokenizer")
 parser.add_argument("--init", default=None, help="the student: model folder or run dir (default: the SFT run)")
@@ -58,10 +64,6 @@ parser.add_argument("--teacher", default=None, help="the teacher: model folder o
 parser.add_argument("--mode", choices=["on-policy", "kd"], default="on-policy",
                     help="the student samples and the teacher grades each token; or (kd) the teacher samples and "
                     "the student learns its answers by NLL")
-parser.add_argument("--run-name", default="default")
-parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
-parser.add_argument("--device", default="auto")
-parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
 parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
 parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
@@ -83,9 +85,6 @@ parser.add_argument("--tis-cap", type=float, default=2.0)
 parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included)")
-parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
-parser.add_argument("--fsdp", action="store_true", help="shard the student's training state and the teacher across ranks (FSDP2)")
-parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=3)
 parser.add_argument("--grad-clip", type=float, default=1.0)
@@ -93,7 +92,7 @@ parser.add_argument("--eval-every", type=int, default=10)
 parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
 parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 parser.add_argument("--save-every", type=int, default=20)
-parser.add_argument("--resume", action="store_true")
+add_run_flags(parser, "distill")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp (the teacher too), --dist-timeout
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,18 +135,19 @@ def kd_loss(student_logp, mask, normalizer):
     return -(student_logp * mask).sum() / normalizer
 
 
-def kd_update(model, optimizer, batch, *, step, args):
-    """--minibatches optimizer steps (times --ppo-epochs) of kd_loss on the teacher's samples, each minibatch
-    in forward passes of at most --micro-batch-tokens, divided by the minibatch's global token count.
-    Returns sums over this rank: loss, updates, grad_norm."""
+def kd_update(model, optimizer, batch, *, step, ppo_epochs=1, minibatches=2, micro_batch_tokens=8192, grad_clip=1.0,
+              temperature=1.0):
+    """minibatches optimizer steps (times ppo_epochs) of kd_loss on the teacher's samples, each minibatch in
+    forward passes of at most micro_batch_tokens, divided by the minibatch's global token count; log-probs
+    at `temperature`. Returns sums over this rank: loss, updates, grad_norm."""
     totals = {"loss": 0.0, "updates": 0, "grad_norm": 0.0}
     order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(step))
-    for _ in range(args.ppo_epochs):
-        for mb in order.tensor_split(args.minibatches):
+    for _ in range(ppo_epochs):
+        for mb in order.tensor_split(minibatches):
             n_tokens = all_reduce_sum(float(batch.mask[mb].sum()))
             if n_tokens == 0:
                 continue
-            passes = micro_batches(batch.lengths[mb], args.micro_batch_tokens)
+            passes = micro_batches(batch.lengths[mb], micro_batch_tokens)
             for j, part in enumerate(passes):
                 with no_sync(model, last=j == len(passes) - 1):
                     if not part:
@@ -155,24 +155,14 @@ def kd_update(model, optimizer, batch, *, step, args):
                         continue
                     i, cols = mb[part].to(batch.mask.device), int(batch.lengths[mb[part]].max())
                     with autocast(batch.inputs.device):
-                        logp = model(batch.inputs[i, :cols], batch.targets[i, :cols], temperature=args.temperature)
+                        logp = model(batch.inputs[i, :cols], batch.targets[i, :cols], temperature=temperature)
                     loss = kd_loss(logp, batch.mask[i, :cols], n_tokens)
                     check_finite(loss, step + 1)
                     loss.backward()
                 totals["loss"] += loss.item()
-            totals["grad_norm"] += optimizer_step(model, optimizer, args.grad_clip)
+            totals["grad_norm"] += optimizer_step(model, optimizer, grad_clip)
             totals["updates"] += 1
     return totals
-
-
-def rl_update_args(args):
-    """chat_rl.update_policy reads its settings from chat_rl's flags: its defaults (token-mean, the token
-    ratio, the PPO clip, no entropy bonus, no KL), with this script's flags of the same names on top."""
-    rl_args = rl_parser.parse_args([])
-    for name, value in vars(args).items():
-        if hasattr(rl_args, name):
-            setattr(rl_args, name, value)
-    return rl_args
 
 
 def same_vocabulary(a, b) -> bool:
@@ -183,32 +173,14 @@ def same_vocabulary(a, b) -> bool:
 
 
 def main():
-    import memory
-    from chat_eval import heldout_scores
-    from engine import Engine
-    from model import load_config
-    from rewards import Grader
-    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
-    from tokenizer import Tokenizer
-
     args = parser.parse_args()
-    if args.data:  # a malformed row stops the run at once, before any model is looked for
-        rows = load_rl(args.data)
-        eval_rows = load_rl(args.eval_data) if args.eval_data else rows[len(rows) - max(1, len(rows) // 50):]
-        rows = rows if args.eval_data else rows[:len(rows) - len(eval_rows)]
-        eval_rows = eval_rows[:args.eval_problems]
-    else:
-        rows = rl_prompts("train", args.num_prompts, seed=args.seed)
-        eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
+    # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    rows, eval_rows = rl_rows(args.data, args.eval_data, eval_problems=args.eval_problems,
+                              num_prompts=args.num_prompts, seed=args.seed)
     if not 0 <= args.discount <= 1:
         raise UserError(f"--discount {args.discount}: must be in [0, 1]")
-    dist = init_dist(args.device, args.dist_timeout)
+    dist, out_dir, log = start_run(args, "distill", "chat_distill")
     device = dist.device
-    seed_everything(args.seed, dist.rank)
-    print_config(args, "chat_distill")
-    out_dir = run_dir("distill", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb,
-                        run_name=f"distill/{args.run_name}", config=vars(args))
     if args.prompts_per_step % dist.world_size:
         raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
 
@@ -222,25 +194,21 @@ def main():
     student_shape, teacher_shape = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(teacher_path))
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
-    rows_per_pass = -(-local_prompts * S // args.minibatches)
-    memory.check(memory.estimate(  # know before you OOM: the student trains, the teacher only runs forward
-        trained=[student_shape], frozen=[teacher_shape], world_size=dist.world_size, fsdp=args.fsdp,
-        micro_batch_tokens=min(args.micro_batch_tokens, rows_per_pass * (prompt_len + args.max_new_tokens)),
-        graded_tokens=min(args.micro_batch_tokens, rows_per_pass * args.max_new_tokens), cuda=device.type == "cuda",
-        grad_checkpointing=args.grad_checkpointing, sample_rows=local_prompts * S,
-        sample_tokens=prompt_len + args.max_new_tokens), device)
+    memory.check(memory.rollout_estimate(  # know before you OOM: the student trains, the teacher only runs forward
+        trained=[student_shape], frozen=[teacher_shape], answers=local_prompts * S, prompt_len=prompt_len,
+        max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
+        world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
+        grad_checkpointing=args.grad_checkpointing), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)  # float32 master weights
     unwrap(model).grad_checkpointing = args.grad_checkpointing
-    args.lr = learning_rate(args.lr, "rl", unwrap(model).config)
+    args.lr = learning_rate(args.lr, "rl", unwrap(model))
     optimizer = make_optimizer(model, args.lr)
     start_step, train_clock = 0, 0.0  # train_clock: seconds in steps, evaluation excluded (--time-budget)
     if ckpt:
         state = load_training_state(ckpt, optimizer, model)
         start_step, train_clock = state["step"], state["train_seconds"]
         print0(f"resumed from {ckpt} at step {start_step} ({train_clock:.0f} s of training)")
-    elif dist.is_main and os.path.exists(log.path):
-        os.remove(log.path)
     # the teacher: frozen, in the compute dtype, sharded too under --fsdp
     teacher = load_model(teacher_path, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
     grader = Grader("verifier", tok, device)  # only logged: the teacher's log-probs are the signal
@@ -248,7 +216,8 @@ def main():
     sampler = Engine(unwrap(model if args.mode == "on-policy" else teacher), tok, tools=tools)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tool_schemas=tool_schemas,
                     max_tool_turns=args.max_tool_turns)
-    rl_args = rl_update_args(args)
+    update = dict(ppo_epochs=args.ppo_epochs, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
+                  grad_clip=args.grad_clip, temperature=args.temperature)
     print0(f"student: {unwrap(model).num_params():,} parameters from {init}; teacher: "
            f"{unwrap(teacher).num_params():,} from {teacher_path}; mode {args.mode}; {args.prompts_per_step} "
            f"prompts x {S} answers per step on {dist.world_size} rank(s)")
@@ -286,11 +255,9 @@ def main():
 
         # 1. samples: the student's (on-policy) or the teacher's (kd), graded only to be logged; a pure
         #    function of (seed, step, rank), so a resumed run samples what the uninterrupted one would
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dist.rank)
-        batch_rows = [rows[i] for i in torch.randint(len(rows), (local_prompts,), generator=g).tolist()]
+        batch_rows, seed = draw_prompts(rows, local_prompts, seed=args.seed, step=step, rank=dist.rank)
         with sampler.prepared():
-            rollouts = sample(sampler, batch_rows, grader, samples_per_prompt=S, seed=int(g.initial_seed()) % 2**31,
-                              **sampling)
+            rollouts = sample(sampler, batch_rows, grader, samples_per_prompt=S, seed=seed, **sampling)
         t_sample = time.time() - t_step
 
         # 2. both models' log-probs of every sampled token, before any update on this batch
@@ -304,10 +271,12 @@ def main():
         if args.mode == "on-policy":
             adv = reverse_kl_advantages(teacher_logp, student_logp, mask, args.discount)
             weights = sampler_correction(student_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap)
-            totals = update_policy(model, optimizer, batch, old_logp=student_logp, advantages=adv, ref_logp=None,
-                                   weights=weights, step=step, args=rl_args)
+            # chat_rl's clipped objective at its defaults (token-mean, the token ratio), no entropy bonus, no KL
+            totals = update_policy(model, optimizer, batch, old_logp=student_logp, advantages=adv, weights=weights,
+                                   step=step, loss_settings=dict(eps_low=args.eps_low, eps_high=args.eps_high,
+                                                                 max_len=args.max_new_tokens), **update)
         else:
-            totals = kd_update(model, optimizer, batch, step=step, args=args)
+            totals = kd_update(model, optimizer, batch, step=step, **update)
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
@@ -354,8 +323,7 @@ def main():
 
     if eval_rows:
         scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(model, args.steps)
-        if dist.is_main:
-            write_eval(out_dir, scores)
+        write_eval(out_dir, scores)
     log.close()
 
 

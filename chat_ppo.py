@@ -37,40 +37,32 @@ import time
 
 import torch
 
-from common import (AdaptersOff, MetricsLogger, UserError, add_lora_flags, all_reduce_dict, all_reduce_sum, autocast,
-                    check_finite, global_mean_var, idle_pass, init_dist, learning_rate, load_model,
-                    load_training_state, lora_options, lr_at, make_optimizer, micro_batches, nanopost_home, no_sync,
-                    optimizer_step, peak_memory_mb, print0, print_config, progress, reference_model,
-                    resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint, seed_everything, set_lr,
-                    unwrap, wrap_model, write_eval)
-from rollout import CORRECTIONS, batch_logprobs, kl_penalty, sample, sampler_correction, training_batch
+import memory
+from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
+                        resume_checkpoint, save_checkpoint)
+from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, global_mean_var,
+                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from data import rl_rows
+from decontaminate import overlap_warning
+from engine import Engine
+from evaluation import heldout_scores
+from lora import adapters_off, add_lora_flags, lora_options
+from packing import micro_batches
+from rewards import Grader, grader_shapes
+from rollout import (add_rollout_flags, batch_logprobs, draw_prompts, kl_penalty, rollout_metrics, sample,
+                     sampler_correction, training_batch)
+from tasks import CALCULATOR_SCHEMA, TOOLS
+from tokenizer import Tokenizer
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
 parser.add_argument("--init", default=None, help="actor (and reference) model folder or run dir (default: the SFT run)")
 parser.add_argument("--critic-init", default=None, help="critic trunk: an RM or LM folder / run dir "
                     "(default: $NANOPOST_HOME/rm/default, else the --init model with a fresh value head)")
-parser.add_argument("--run-name", default="default")
-parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
-parser.add_argument("--device", default="auto")
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
-parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
-parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
+add_rollout_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, --reward, ...
 # rollouts
-parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
-parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
-parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per rollout batch, all ranks together")
 parser.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (the critic is the baseline, no group needed)")
-parser.add_argument("--max-new-tokens", type=int, default=192)
-parser.add_argument("--temperature", type=float, default=1.0)
-parser.add_argument("--top-k", type=int, default=None)
-parser.add_argument("--top-p", type=float, default=None)
-parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn tool rollouts")
-parser.add_argument("--max-tool-turns", type=int, default=6)
 # rewards
-parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
-                    "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
-parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
 parser.add_argument("--truncated-reward", type=float, default=None, help="score of an answer cut at the length limit, instead of its grade (e.g. -1 with an RM)")
 parser.add_argument("--kl-beta", type=float, default=0.05, help="weight of the per-token KL penalty in the reward")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k1", help="KL estimator in the reward (k1: unbiased log-ratio)")
@@ -85,17 +77,10 @@ parser.add_argument("--eps-high", type=float, default=0.2, help="0.2: classic sy
 parser.add_argument("--value-clip", type=float, default=0.2, help="how far a value may move from its snapshot per batch (0: off)")
 parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus in the actor's loss")
 parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
-parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="for answers the sampler drew from "
-                    "another distribution than the trainer's numerics: reweight or mask (rollout.sampler_correction)")
-parser.add_argument("--tis-cap", type=float, default=2.0, help="the cap of token-tis and sequence-tis; sequence-mask keeps [1/cap, cap]")
-parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities differ by more than this")
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (per model)")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
-parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
-parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
-parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--lr", type=float, default=None, help="actor learning rate (default: 1e-4 on the embedded world, 1e-6 for a real model)")
 parser.add_argument("--critic-lr", type=float, default=None, help="default: 5e-4 on the embedded world, 1e-5 for a real model")
 parser.add_argument("--warmup-steps", type=int, default=3)
@@ -104,10 +89,8 @@ parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train onl
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=20)
-parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
-parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 parser.add_argument("--save-every", type=int, default=20)
-parser.add_argument("--resume", action="store_true")
+add_run_flags(parser, "ppo")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
@@ -247,37 +230,17 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
 
 
 def main():
-    import memory
-    from chat_eval import heldout_scores
-    from engine import Engine
-    from model import load_config
-    from rewards import Grader
-    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, overlap_warning, rl_prompts
-    from tokenizer import Tokenizer
-
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
-    if args.data:  # held out: --eval-data, or the last 2% of --data
-        rows = load_rl(args.data)
-        eval_rows = load_rl(args.eval_data) if args.eval_data else rows[len(rows) - max(1, len(rows) // 50):]
-        rows = rows if args.eval_data else rows[:len(rows) - len(eval_rows)]
-        eval_rows = eval_rows[:args.eval_problems]
-    else:
-        rows = rl_prompts("train", args.num_prompts, seed=args.seed)
-        eval_rows = rl_prompts("test", args.eval_problems, seed=args.seed)
-    dist = init_dist(args.device, args.dist_timeout)
+    rows, eval_rows = rl_rows(args.data, args.eval_data, eval_problems=args.eval_problems,
+                              num_prompts=args.num_prompts, seed=args.seed)
+    dist, out_dir, log = start_run(args, "ppo", "chat_ppo")
     device = dist.device
-    seed_everything(args.seed, dist.rank)
-    print_config(args, "chat_ppo")
     if args.data and (warning := overlap_warning(rows, eval_rows)):  # the held-out rows should be new to training
         print0(warning)
-    out_dir = run_dir("ppo", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"ppo/{args.run_name}",
-                        config=vars(args))
     if args.prompts_per_step % dist.world_size:
         raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
-    local_prompts = args.prompts_per_step // dist.world_size
-    S = args.samples_per_prompt
+    local_prompts, S = args.prompts_per_step // dist.world_size, args.samples_per_prompt
     if local_prompts * S < args.minibatches:
         raise UserError(f"each rank needs at least --minibatches answers per step ({local_prompts * S} < {args.minibatches})")
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
@@ -302,13 +265,12 @@ def main():
     policy, value = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(critic_init, head="scalar"))
     prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
     use_kl = args.kl_beta > 0 or args.kl_target is not None
-    memory.check(memory.estimate(
-        trained=[policy, value], frozen=[policy] * (use_kl and not args.lora_rank) + memory.grader_shapes(args.reward),
-        micro_batch_tokens=min(args.micro_batch_tokens, -(-local_prompts * S // args.minibatches) * (prompt_len + args.max_new_tokens)),
-        graded_tokens=min(args.micro_batch_tokens, -(-local_prompts * S // args.minibatches) * args.max_new_tokens),
+    memory.check(memory.rollout_estimate(
+        trained=[policy, value], frozen=[policy] * (use_kl and not args.lora_rank) + grader_shapes(args.reward),
+        answers=local_prompts * S, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
+        minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens, lora_rank=args.lora_rank,
         world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-        grad_checkpointing=args.grad_checkpointing, sample_rows=local_prompts * S,
-        sample_tokens=prompt_len + args.max_new_tokens, lora_rank=args.lora_rank), device)
+        grad_checkpointing=args.grad_checkpointing), device)
     actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
                         fsdp=args.fsdp)
     # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (see README)
@@ -320,8 +282,8 @@ def main():
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
     ref_model = reference_model(actor, init, args.fsdp) if use_kl else None  # LoRA: the actor, adapters off
 
-    args.lr = learning_rate(args.lr, "ppo", unwrap(actor).config)
-    args.critic_lr = learning_rate(args.critic_lr, "critic", unwrap(critic).config, name="--critic-lr")
+    args.lr = learning_rate(args.lr, "ppo", unwrap(actor))
+    args.critic_lr = learning_rate(args.critic_lr, "critic", unwrap(critic), name="--critic-lr")
     actor_opt = make_optimizer(actor, args.lr)
     critic_opt = make_optimizer(critic, args.critic_lr)
     start_step, kl_beta, train_clock = 0, args.kl_beta, 0.0
@@ -333,21 +295,15 @@ def main():
         state = load_training_state(ckpt, actor_opt, actor)
         start_step, kl_beta, train_clock = state["step"], state["kl_beta"], state["train_seconds"]
         print0(f"resumed from {ckpt} at step {start_step}")
-    elif dist.is_main and os.path.exists(log.path):
-        os.remove(log.path)
     engine = Engine(unwrap(actor), tok, tools=TOOLS if args.tools else None)
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from {critic_init}; "
-           f"reward {args.reward}; reference {'off (no KL)' if ref_model is None else 'the actor, adapters off' if isinstance(ref_model, AdaptersOff) else 'loaded'}; {len(rows)} prompts; "
+           f"reward {args.reward}; reference {'off (no KL)' if ref_model is None else 'the actor, adapters off' if args.lora_rank else 'loaded'}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {S} answers per step on {dist.world_size} rank(s)")
 
     def evaluate(step):
-        t0 = time.time()
-        scores = heldout_scores(actor, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
-                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=step,
-                                use_tools=args.tools)
-        print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
-        return scores
+        return heldout_scores(actor, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
+                              seed=step, use_tools=args.tools, label=f"eval @ step {step}", **logits_settings)
 
     final_scores = None
     if start_step == 0 and eval_rows:  # every rank evaluates its share
@@ -362,11 +318,9 @@ def main():
         train_actor = step >= args.freeze_actor_steps
 
         # 1. generate: this rank's prompts (a pure function of seed, step and rank), S answers each, graded
-        g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + dist.rank)
-        batch_rows = [rows[i] for i in torch.randint(len(rows), (local_prompts,), generator=g).tolist()]
-        rollouts = sample(engine, batch_rows, grader, samples_per_prompt=S, seed=int(g.initial_seed()) % 2**31,
-                          tool_schemas=tool_schemas, max_new_tokens=args.max_new_tokens,
-                          max_tool_turns=args.max_tool_turns, **logits_settings)
+        batch_rows, seed = draw_prompts(rows, local_prompts, seed=args.seed, step=step, rank=dist.rank)
+        rollouts = sample(engine, batch_rows, grader, samples_per_prompt=S, seed=seed, tool_schemas=tool_schemas,
+                          max_new_tokens=args.max_new_tokens, max_tool_turns=args.max_tool_turns, **logits_settings)
         scores = rollouts.rewards.clone()
         if args.truncated_reward is not None:  # an answer cut at the limit never reached its end
             truncated = torch.tensor([c.finish_reason == "length" for c in rollouts.completions])
@@ -379,8 +333,10 @@ def main():
         #    the ratio), the reference's, and the critic's values
         t1 = time.time()
         old_logp, entropy = batch_logprobs(actor, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
-        ref_logp = old_logp if ref_model is None else batch_logprobs(ref_model, batch, args.micro_batch_tokens,
-                                                                     **logits_settings)
+        ref_logp = old_logp
+        if ref_model is not None:
+            with adapters_off(ref_model):
+                ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, **logits_settings)
         old_values = torch.zeros_like(mask)
         with torch.no_grad(), autocast(device):
             for part in micro_batches(batch.lengths, args.micro_batch_tokens):
@@ -464,10 +420,10 @@ def main():
         n_tok = max(1.0, all_reduce_sum(float(mask.sum())))
         n_passes = max(1.0, all_reduce_sum(st["tokens"]))
         metrics = {
+            **rollout_metrics(s),
             "reward": all_reduce_sum(float(scores.sum())) / n_ans,               # the score, before the KL penalty
-            "accuracy": s["correct"] / n_ans,
-            **{k: v / n_ans for k, v in s.items() if k.startswith("reward/")},
-            **{k: v for k, v in s.items() if k.startswith("count/")},
+            "length_max": max(len(c.tokens) for c in rollouts.completions),
+            "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
             "kl": all_reduce_sum(float(kl.sum())) / n_tok,                       # per token (k-estimator of --kl-kind)
             "kl_per_answer": kl_per_answer,
             "kl_beta": kl_beta,
@@ -482,15 +438,6 @@ def main():
             "approx_kl": st["approx_kl"] / max(1, n_updates),
             "updates": n_updates,
             "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
-            "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
-            "length_mean": s["length_sum"] / n_ans,
-            "length_max": max(len(c.tokens) for c in rollouts.completions),
-            "truncated_frac": s["truncated"] / n_ans,
-            "tool_use_rate": s["tool_answers"] / n_ans,  # answers that called a tool
-            "tool_turns": s["tool_calls"] / n_ans,  # tool-calling turns per answer
-            "tool_errors": s["tool_errors"] / n_ans,  # tool results that were errors, per answer
-            "accuracy_with_tool": s["correct_with_tool"] / max(1.0, s["tool_answers"]),
-            "accuracy_without_tool": (s["correct"] - s["correct_with_tool"]) / max(1.0, n_ans - s["tool_answers"]),
             "logprob_mismatch": all_reduce_sum(float(((old_logp - batch.engine_logp).abs() * mask).sum())) / n_tok,
             "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
             "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
@@ -520,8 +467,7 @@ def main():
 
     if eval_rows:
         scores = final_scores if final_scores is not None and start_step < args.steps else evaluate(start_step)
-        if dist.is_main:
-            write_eval(out_dir, scores)
+        write_eval(out_dir, scores)
     print0(f"peak memory {peak_memory_mb(device):.0f} MiB")
     log.close()
 

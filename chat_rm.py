@@ -28,20 +28,23 @@ import os
 import torch
 import torch.nn.functional as F
 
-from common import (IGNORE, MetricsLogger, UserError, add_lora_flags, all_gather_objects, all_reduce_dict,
-                    all_reduce_max, autocast, check_finite, dist_info, epoch_batch, idle_pass, init_dist,
-                    learning_rate, load_model, load_training_state, lora_options, lr_at, make_optimizer, micro_batches,
-                    nanopost_home, no_sync, optimizer_step, pack_sequences, peak_memory_mb, print0, print_config,
-                    progress, resolve_model_path, resume_checkpoint, run_dir, run_main, save_checkpoint,
-                    seed_everything, set_lr, unwrap, wrap_model, write_eval)
+import memory
+from checkpoint import (load_config, load_lm_head, load_model, resolve_model_path,
+                        resume_checkpoint, resume_step, save_checkpoint)
+from common import (UserError, add_run_flags, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
+                    check_finite, dist_info, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
+                    write_eval)
+from data import load_preferences, split_heldout
+from decontaminate import overlap_warning
+from lora import add_lora_flags, lora_options
+from packing import IGNORE, epoch_batch, micro_batches, pack_sequences
 from rewards import score
+from tasks import preference_pairs
+from tokenizer import Tokenizer
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
-parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/rm/<run>")
-parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
-parser.add_argument("--device", default="auto")
-parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
 parser.add_argument("--eval-data", default=None, help="held-out preference rows (default: the last 2%% of --data)")
 parser.add_argument("--num-train", type=int, default=12000, help="embedded-world training pairs")
@@ -51,9 +54,6 @@ parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (em
 parser.add_argument("--max-len", type=int, default=512, help="a pair whose prompt + answer exceeds this is dropped (counted)")
 parser.add_argument("--batch-size", type=int, default=32, help="pairs per optimizer step, all ranks together")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a pair count)")
-parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
-parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
-parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 on the embedded world, 1e-5 for a real model")
@@ -66,8 +66,8 @@ parser.add_argument("--lm-coef", type=float, default=2.0,
                     help="weight of the LM loss on the chosen answers (GRM's regularizer); 0 turns it off")
 parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
 parser.add_argument("--save-every", type=int, default=200)
-parser.add_argument("--resume", action="store_true")
 parser.add_argument("--compile", action="store_true")
+add_run_flags(parser, "rm")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
@@ -115,7 +115,6 @@ def attach_vocab_head(model, init):
     """The regularizer's vocabulary head: the tied embeddings (trained along), or else a frozen copy of the
     untied lm_head.weight of the chat model at `init` (the reward model has no lm_head of its own),
     attached as the non-persistent buffer frozen_lm_head that the forward reads."""
-    from model import load_lm_head
     if not model.config.tie_word_embeddings:
         model.register_buffer("frozen_lm_head", load_lm_head(init, model.device), persistent=False)
 
@@ -201,20 +200,11 @@ def evaluate_pairs(model, pairs, batch_size=32):
 
 
 def main():
-    import memory
-    from model import load_config
-    from tasks import load_preferences, overlap_warning, preference_pairs
-    from tokenizer import Tokenizer
-
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
-    if args.data:
-        rows = load_preferences(args.data)
-        if args.eval_data:
-            train_rows, val_rows = rows, load_preferences(args.eval_data)
-        else:  # a user file: hold out its last 2%
-            n_val = max(1, len(rows) // 50)
-            train_rows, val_rows = rows[:-n_val], rows[-n_val:]
+    if args.data:  # a user file: --eval-data, or its last 2% held out
+        train_rows, val_rows = split_heldout(load_preferences(args.data),
+                                             load_preferences(args.eval_data) if args.eval_data else None)
     else:
         try:
             kinds = parse_kinds(args.kinds)
@@ -222,15 +212,10 @@ def main():
         except ValueError as e:
             raise UserError(f"--kinds {args.kinds!r}: {e}") from None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
-    dist = init_dist(args.device, args.dist_timeout)
+    dist, out_dir, log = start_run(args, "rm", "chat_rm")
     device = dist.device
-    seed_everything(args.seed, dist.rank)
-    print_config(args, "chat_rm")
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
         print0(warning)
-    out_dir = run_dir("rm", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"rm/{args.run_name}",
-                        config=vars(args))
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
     train_pairs, dropped = render_pairs(tok, train_rows, args.max_len)
@@ -258,14 +243,9 @@ def main():
     if args.lm_coef:
         attach_vocab_head(model, init)
     model = wrap_model(model, fsdp=args.fsdp)  # DDP under torchrun, or FSDP2 with --fsdp
-    args.lr = learning_rate(args.lr, "rm", unwrap(model).config)
+    args.lr = learning_rate(args.lr, "rm", unwrap(model))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = 0
-    if ckpt:
-        start_step = load_training_state(ckpt, optimizer, model)["step"]
-        print0(f"resumed from {ckpt} at step {start_step}")
-    elif dist.is_main and os.path.exists(log.path):
-        os.remove(log.path)
+    start_step = resume_step(ckpt, optimizer, model)
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()
@@ -327,8 +307,7 @@ def main():
     ev = evaluate_pairs(model, val_pairs)  # every rank its share
     print0(f"held-out ({len(val_pairs)} pairs): " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()))
     log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
-    if dist.is_main:
-        write_eval(out_dir, ev)
+    write_eval(out_dir, ev)
     log.close()
 
 

@@ -45,8 +45,14 @@ import os
 import re
 import sys
 
-from common import UserError, all_gather_objects, init_dist, nanopost_home, print0, print_config, \
-    resolve_model_path, run_main, seed_everything
+from checkpoint import load_hf, resolve_model_path
+from common import UserError, all_gather_objects, init_dist, nanopost_home, print0, print_config, run_main, seed_everything
+from data import load_rl
+from engine import Engine
+from rewards import Grader, parse_reward
+from rollout import sample
+from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
+from tokenizer import Tokenizer, completion_message, parse_tool_calls
 
 KEEP = ("verified", "best", "all")
 
@@ -129,7 +135,6 @@ def answer_messages(tok, completion) -> list[dict] | None:
     turn's call does not parse. Example: sampled "<tool_call>...12 * 7...</tool_call><|im_end|>", forced
     "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n", sampled
     "#### 84" -> [assistant (the call), tool "84", assistant "#### 84"]."""
-    from tokenizer import completion_message, parse_tool_calls
     tokens = completion.tokens[:-1]  # the final <|im_end|> (or another stop id) is the renderer's
     messages, start = [], 0
     for end in range(1, len(tokens) + 1):
@@ -168,7 +173,6 @@ def sample_groups(engine, rows, grader, *, samples, batch_size, seed, rank=0, wo
     call that does not parse, JSON not in the template's form: SFT would train other tokens than these).
     Batch b (prompts b*batch_size ...) goes to rank b % world_size, sampled with seed + b*batch_size, so
     that every prompt's answers are the same on any number of ranks."""
-    from rollout import sample
     tok = engine.tokenizer
     groups = {}
     with engine.prepared():  # the sampler's weights, built once for every batch
@@ -228,11 +232,6 @@ def write_jsonl(path, rows):
 
 
 def main():
-    from engine import Engine
-    from model import GPT
-    from rewards import Grader, parse_reward
-    from tasks import CALCULATOR_SCHEMA, TOOLS, load_rl, rl_prompts
-    from tokenizer import Tokenizer
 
     args = parser.parse_args()
     # what to write, the reward and the data first: a mistake stops the run before any model is loaded
@@ -254,7 +253,7 @@ def main():
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_sample")
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "rl", "default"))
-    model, tok = GPT.from_hf(init, device=dist.device), Tokenizer.load(init)
+    model, tok = load_hf(init, device=dist.device), Tokenizer.load(init)
     grader = Grader(args.reward, tok, dist.device, rubric=args.rubric)
     print0(f"sampling {len(rows)} prompts x {args.samples} answers from {init} on {dist.world_size} rank(s); "
            f"reward {args.reward}")

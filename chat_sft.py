@@ -25,18 +25,21 @@ import os
 
 import torch
 
-from common import (IGNORE, MetricsLogger, UserError, add_lora_flags, all_reduce_sum, autocast, check_finite,
-                    epoch_batch, heldout_loss, init_dist, learning_rate, load_model, load_training_state,
-                    lora_options, lr_at, make_batch, make_optimizer, nanopost_home, no_sync, optimizer_step, pack_bfd,
-                    peak_memory_mb, print0, print_config, progress, resolve_model_path, resume_checkpoint, run_dir,
-                    run_main, save_checkpoint, seed_everything, set_lr, unwrap, wrap_model, write_eval)
+import memory
+from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_step, save_checkpoint
+from common import (UserError, add_run_flags, all_reduce_sum, autocast, check_finite, learning_rate, lr_at,
+                    make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress,
+                    run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from data import load_sft, split_heldout
+from decontaminate import overlap_warning
+from evaluation import heldout_scores
+from lora import add_lora_flags, lora_options
+from packing import IGNORE, epoch_batch, heldout_loss, make_batch, pack_bfd, sft_example
+from tasks import rl_prompts, sft_conversations
+from tokenizer import Tokenizer
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
-parser.add_argument("--run-name", default="default", help="run name: output goes to $NANOPOST_HOME/sft/<run>")
-parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project (WANDB_MODE=offline: no network)")
-parser.add_argument("--device", default="auto")
-parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows (default: the embedded world)")
 parser.add_argument("--eval-data", default=None, help="held-out JSONL rows for the validation loss (default: the last 2%% of --data)")
 parser.add_argument("--num-train", type=int, default=6000, help="embedded-world training conversations")
@@ -60,28 +63,13 @@ parser.add_argument("--max-new-tokens", type=int, default=256)
 parser.add_argument("--pass-k", type=int, default=4, help="held-out pass@1..k at temperature 1, besides greedy (0: greedy only)")
 parser.add_argument("--tools", action="store_true", help="evaluate with the calculator offered (as chat_rl.py --tools)")
 parser.add_argument("--save-every", type=int, default=200)
-parser.add_argument("--resume", action="store_true")
-parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
-parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across ranks (FSDP2)")
-parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
 parser.add_argument("--compile", action="store_true")
+add_run_flags(parser, "sft")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
 # ------------------------------------------------------------------------------------------------
 # The loss
-
-def sft_example(ids, mask):
-    """Inputs and targets of one conversation: predict token t+1 from tokens <= t, graded only where
-    token t+1 is the assistant's. Built per conversation BEFORE packing, so a label can never be rolled
-    across the boundary of two packed conversations (verl#6475)."""
-    if len(ids) != len(mask) or len(ids) < 2:
-        raise ValueError("ids and mask must have the same length (>= 2)")
-    targets = [t if m else IGNORE for t, m in zip(ids[1:], mask[1:])]
-    if all(t == IGNORE for t in targets):
-        raise ValueError("the loss mask is all zero: this conversation has nothing to train on")
-    return ids[:-1], targets
-
 
 def sft_loss(token_logprobs, num_trained_global):
     """The cross-entropy -log p summed over the trained tokens (the model's log-probs are 0 elsewhere),
@@ -126,31 +114,18 @@ def build_rows(examples, seq_len, packing):
 
 
 def main():
-    import memory
-    from chat_eval import heldout_scores
-    from model import load_config
-    from tasks import load_sft, overlap_warning, rl_prompts, sft_conversations
-    from tokenizer import Tokenizer
-
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
-    dist = init_dist(args.device, args.dist_timeout)
+    held_out = load_sft(args.eval_data) if args.eval_data else None
+    if args.data:  # a user file: --eval-data, or its last 2% held out
+        train_rows, val_rows = split_heldout(train_rows, held_out)
+    else:
+        val_rows = held_out or sft_conversations("val", args.num_val, seed=args.seed)
+    dist, out_dir, log = start_run(args, "sft", "chat_sft")
     device = dist.device
-    seed_everything(args.seed, dist.rank)
-    print_config(args, "chat_sft")
-    out_dir = run_dir("sft", args.run_name)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb, run_name=f"sft/{args.run_name}",
-                        config=vars(args))
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"))
     tok = Tokenizer.load(init)
-    if args.eval_data:
-        val_rows = load_sft(args.eval_data)
-    elif args.data:  # a user file: hold out its last 2%
-        val_rows = train_rows[-max(1, len(train_rows) // 50):]
-        train_rows = train_rows[:len(train_rows) - len(val_rows)]
-    else:
-        val_rows = sft_conversations("val", args.num_val, seed=args.seed)
     # pass@1 on held-out problems: the embedded world's (a user's SFT rows have no answer key)
     eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
@@ -186,14 +161,9 @@ def main():
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
                        fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
-    args.lr = learning_rate(args.lr, "sft", unwrap(model).config)
+    args.lr = learning_rate(args.lr, "sft", unwrap(model))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = 0
-    if ckpt:
-        start_step = load_training_state(ckpt, optimizer, model)["step"]
-        print0(f"resumed from {ckpt} at step {start_step}")
-    elif dist.is_main and os.path.exists(log.path):
-        os.remove(log.path)  # a fresh run starts a fresh log
+    start_step = resume_step(ckpt, optimizer, model)
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps "
            f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
     fwd = torch.compile(model) if args.compile else model
@@ -242,8 +212,7 @@ def main():
     scores["val_loss"] = heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len, args.packing, device)
     print0("held-out: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
     log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
-    if dist.is_main:
-        write_eval(out_dir, scores)
+    write_eval(out_dir, scores)
     log.close()
 
 

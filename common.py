@@ -1,7 +1,8 @@
 """
-Shared machinery for every stage: distributed setup from torchrun's environment, DDP and FSDP2 wrapping,
-rank-0 printing, seeding, device and dtype, run directories, JSONL metrics, packing and token-budget
-micro-batches, and atomic checkpoints with resume.
+Run plumbing every stage shares, and nothing of the method: errors for people, ranks and collectives from
+torchrun's environment, DDP and FSDP2 wrapping, rank-0 printing, seeds and dtypes, the flags and start of a
+run (its directory, config and JSONL metrics), the optimizer and the learning-rate schedule. It imports
+nothing of nanopost's: every other module may import it.
 
 Distributed training is an equivalence, not a different program: each rank computes the SUM of its token
 losses divided by the GLOBAL token count (all micro-batches, all ranks), and the wrappers SUM gradients
@@ -10,21 +11,21 @@ batch B, with torch's DistributedDataParallel or with FSDP2 (--fsdp).
 """
 import contextlib
 import datetime
-import errno
 import gc
 import json
 import os
 import random
-import re
-import shutil
+import resource
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 
@@ -51,7 +52,7 @@ def run_main(main):
 
 
 # ------------------------------------------------------------------------------------------------
-# Processes, devices, seeds
+# Processes: ranks, devices, collectives
 
 @dataclass
 class DistInfo:
@@ -158,179 +159,7 @@ def broadcast_parameters(model):
 
 
 # ------------------------------------------------------------------------------------------------
-# Distributed training: torch's DistributedDataParallel, or FSDP2 (--fsdp)
-
-def _sum_allreduce_hook(state, bucket):
-    """DDP averages gradients by default; the losses here are already divided by the global normalizer,
-    so the buckets are summed instead."""
-    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
-
-
-def shard_model(model):
-    """FSDP2 in place (torch.distributed.fsdp.fully_shard): each decoder block, then the root, so that
-    parameters, gradients and AdamW state are split across ranks and a block's weights are gathered only
-    for its own forward and backward. On CUDA the forward computes in bf16 from float32 master shards and
-    gradients are reduced in float32. Gradients are SUMMED (the loss is already divided by the global
-    normalizer): set_gradient_divide_factor(1.0) on every FSDP module (the call is not recursive) and, on
-    gloo, set_force_sum_reduction_for_comms(True). Returns the model (its class becomes FSDP<class>)."""
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-    if isinstance(model, FSDPModule):
-        return model
-    dev = _DIST.device
-    low = compute_dtype(dev)
-    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else \
-        MixedPrecisionPolicy()
-    for block in model.model.layers:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            if dev.type == "cpu":
-                module.set_force_sum_reduction_for_comms(True)
-    return model
-
-
-def wrap_model(model, fsdp=False):
-    """The module that training calls (so that the wrapper's hooks see every forward). One process: the
-    model itself. N ranks: FSDP2 (shard_model) with fsdp=True, else DistributedDataParallel, each rank a
-    full replica, gradients summed in buckets overlapped with the backward pass (_sum_allreduce_hook)."""
-    if _DIST.world_size == 1:
-        return model
-    if fsdp:
-        return shard_model(model)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(model, device_ids=[_DIST.device.index] if _DIST.device.type == "cuda" else None,
-              forward_sync_buffers=False, gradient_as_bucket_view=True)  # rank 0's weights broadcast here
-    ddp.register_comm_hook(None, _sum_allreduce_hook)
-    return ddp
-
-
-def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None):
-    """A model folder loaded for this rank, on its device: whole, or with fsdp=True under torchrun built
-    sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor. `path` may be a
-    LoRA adapter folder (merged into its base in float32). lora (lora_options): LoRA training, the base
-    frozen in the compute dtype with float32 adapters on top (model.add_lora)."""
-    from model import GPT
-    shard = shard_model if fsdp and _DIST.world_size > 1 else None
-    if lora:
-        dtype = compute_dtype(_DIST.device)
-    model = GPT.from_hf(path, dtype=dtype, device=_DIST.device, head=head, shard=shard, lora=lora)
-    if lora:
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print0(f"LoRA rank {model.lora['r']} (alpha {model.lora['alpha']:g}) on {','.join(model.lora['targets'])}: "
-               f"{trainable:,} trainable parameters of {model.num_params():,} ({trainable / model.num_params():.2%}); "
-               f"the base frozen in {str(dtype).removeprefix('torch.')}")
-    return model
-
-
-# ------------------------------------------------------------------------------------------------
-# LoRA: the same flags in every stage
-
-def add_lora_flags(parser):
-    """--lora-rank and its companions (see model.LoRALinear and the README's LoRA section)."""
-    from model import LORA_TARGETS
-    parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base "
-                        "(0: full fine-tuning); RL wants ~10x the full fine-tuning --lr")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="the update is scaled by alpha / rank (default: 2 x rank)")
-    parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
-    parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
-                        help="comma-separated linear layers to adapt (default: every one in attention and MLP)")
-
-
-def lora_options(args, resume=False):
-    """The LoRA options of a run (None without --lora-rank): resume=True continues the adapter of the
-    checkpoint being loaded instead of starting fresh ones."""
-    if not getattr(args, "lora_rank", 0):
-        return None
-    return {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "seed": args.seed,
-            "targets": [t.strip() for t in args.lora_targets.split(",") if t.strip()], "resume": resume}
-
-
-class AdaptersOff:
-    """A LoRA model with its adapters switched off, callable like a model: the reference policy for free
-    (DPO's reference log-probs, GRPO's KL term, PPO's reference). It runs the very weights of the policy,
-    so nothing is loaded or kept twice. Call it under no_grad (the reference never trains)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, *args, **kwargs):
-        from model import adapters_off
-        gpt = unwrap(self.model)  # no DDP hooks: nothing to reduce (FSDP2's model is its own module)
-        with adapters_off(gpt):
-            return gpt(*args, **kwargs)
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def eval(self):
-        return self
-
-    def train(self, mode=True):
-        return self
-
-
-def reference_model(model, init, fsdp=False):
-    """The frozen start a loss compares with: for a LoRA run the policy with its adapters off (AdaptersOff;
-    an --init adapter was merged into the base, so that IS the start), else `init` loaded again, frozen, in
-    the compute dtype."""
-    from model import lora_layers
-    if lora_layers(unwrap(model)):
-        return AdaptersOff(model)
-    return load_model(init, dtype=compute_dtype(_DIST.device), fsdp=fsdp).eval().requires_grad_(False)
-
-
-def unwrap(model):
-    """The GPT inside a DDP wrapper (an FSDP2 model is its own module, with sharded parameters)."""
-    return getattr(model, "module", model)
-
-
-def reshard(model) -> bool:
-    """Put an FSDP2 model's parameters back in their sharded form (the root keeps its own gathered after a
-    forward with no backward, e.g. an evaluation; the optimizer and checkpoints know the shards); returns
-    whether the model is sharded at all."""
-    from torch.distributed.fsdp import FSDPModule
-    modules = [m for m in unwrap(model).modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.reshard()
-    return bool(modules)
-
-
-def is_sharded(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    return isinstance(unwrap(model), FSDPModule)
-
-
-def no_sync(model, last: bool):
-    """Gradient accumulation: DDP skips its all-reduce on every micro-batch but the last of an optimizer
-    step. FSDP2 reduce-scatters every micro-batch: holding unsharded float32 gradients across micro-
-    batches would cost their full size (32 GB at 8B parameters)."""
-    if not last and hasattr(model, "no_sync"):
-        return model.no_sync()
-    return contextlib.nullcontext()
-
-
-def idle_pass(model, backward=True):
-    """A forward (and backward) of one token that trains nothing, for a rank that has no data left in a
-    pass the other ranks run: under DDP every rank must join each gradient all-reduce, under FSDP2 every
-    forward and backward gathers and scatters weights with all ranks."""
-    x = torch.zeros(1, 1, dtype=torch.long, device=_DIST.device)
-    out = model(x)
-    if backward:
-        (out.float().sum() * 0.0).backward()
-
-
-def cleanup_dist():
-    """Tear the process group down. A DistributedDataParallel wrapper still alive then (its hooks make
-    reference cycles that only the collector frees) aborts the process one time in ~15 on gloo with
-    "terminate called without an active exception" (torch 2.13): collect it first. run_main calls this
-    after main() has returned, when its models are garbage."""
-    if dist.is_initialized():
-        gc.collect()
-        dist.barrier()  # no rank tears the process group down while another still talks to it
-        dist.destroy_process_group()
-
+# Printing, seeds, dtypes
 
 def print0(*args, **kwargs):
     if _DIST.is_main:
@@ -366,7 +195,99 @@ def autocast(device, dtype=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# Runs, configs, metrics
+# Distributed training: torch's DistributedDataParallel, or FSDP2 (--fsdp)
+
+def _sum_allreduce_hook(state, bucket):
+    """DDP averages gradients by default; the losses here are already divided by the global normalizer,
+    so the buckets are summed instead."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def shard_model(model):
+    """FSDP2 in place (torch.distributed.fsdp.fully_shard): each decoder block, then the root, so that
+    parameters, gradients and AdamW state are split across ranks and a block's weights are gathered only
+    for its own forward and backward. On CUDA the forward computes in bf16 from float32 master shards and
+    gradients are reduced in float32. Gradients are SUMMED (the loss is already divided by the global
+    normalizer): set_gradient_divide_factor(1.0) on every FSDP module (the call is not recursive) and, on
+    gloo, set_force_sum_reduction_for_comms(True). Returns the model (its class becomes FSDP<class>)."""
+    if isinstance(model, FSDPModule):
+        return model
+    dev = _DIST.device
+    low = compute_dtype(dev)
+    policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else \
+        MixedPrecisionPolicy()
+    for block in model.model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if dev.type == "cpu":
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def wrap_model(model, fsdp=False):
+    """The module that training calls (so that the wrapper's hooks see every forward). One process: the
+    model itself. N ranks: FSDP2 (shard_model) with fsdp=True, else DistributedDataParallel, each rank a
+    full replica, gradients summed in buckets overlapped with the backward pass (_sum_allreduce_hook)."""
+    if _DIST.world_size == 1:
+        return model
+    if fsdp:
+        return shard_model(model)
+    ddp = DDP(model, device_ids=[_DIST.device.index] if _DIST.device.type == "cuda" else None,
+              forward_sync_buffers=False, gradient_as_bucket_view=True)  # rank 0's weights broadcast here
+    ddp.register_comm_hook(None, _sum_allreduce_hook)
+    return ddp
+
+
+def unwrap(model):
+    """The GPT inside a DDP wrapper (an FSDP2 model is its own module, with sharded parameters)."""
+    return getattr(model, "module", model)
+
+
+def reshard(model) -> bool:
+    """Put an FSDP2 model's parameters back in their sharded form (the root keeps its own gathered after a
+    forward with no backward, e.g. an evaluation; the optimizer and checkpoints know the shards); returns
+    whether the model is sharded at all."""
+    modules = [m for m in unwrap(model).modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.reshard()
+    return bool(modules)
+
+
+def no_sync(model, last: bool):
+    """Gradient accumulation: DDP skips its all-reduce on every micro-batch but the last of an optimizer
+    step. FSDP2 reduce-scatters every micro-batch: holding unsharded float32 gradients across micro-
+    batches would cost their full size (32 GB at 8B parameters)."""
+    if not last and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def idle_pass(model, backward=True):
+    """A forward (and backward) of one token that trains nothing, for a rank that has no data left in a
+    pass the other ranks run: under DDP every rank must join each gradient all-reduce, under FSDP2 every
+    forward and backward gathers and scatters weights with all ranks."""
+    x = torch.zeros(1, 1, dtype=torch.long, device=_DIST.device)
+    out = model(x)
+    if backward:
+        (out.float().sum() * 0.0).backward()
+
+
+def cleanup_dist():
+    """Tear the process group down. A DistributedDataParallel wrapper still alive then (its hooks make
+    reference cycles that only the collector frees) aborts the process one time in ~15 on gloo with
+    "terminate called without an active exception" (torch 2.13): collect it first. run_main calls this
+    after main() has returned, when its models are garbage."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()  # no rank tears the process group down while another still talks to it
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# Runs: flags, directories, metrics
 
 def nanopost_home() -> str:
     return os.environ.get("NANOPOST_HOME") or os.path.join(REPO, "out")
@@ -382,6 +303,35 @@ def print_config(args, title: str):
     print0(f"== {title} ==")
     for k, v in sorted(vars(args).items()):
         print0(f"  {k:24s} {v}")
+
+
+def add_run_flags(parser, stage: str):
+    """The flags of a run's plumbing, the same in every training stage (a stage's own flags are its method's)."""
+    parser.add_argument("--run-name", default="default", help=f"output goes to $NANOPOST_HOME/{stage}/<run>")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project "
+                        "(WANDB_MODE=offline: no network)")
+    parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+    parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across "
+                        "ranks (FSDP2)")
+    parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
+
+
+def start_run(args, stage: str, title: str):
+    """What every training stage does first: this rank and its device (init_dist), per-rank seeds, the config
+    printed, the run directory $NANOPOST_HOME/<stage>/<run> and its metrics log (a fresh run starts a fresh
+    log; --resume appends to it). Returns (DistInfo, the run directory, the MetricsLogger)."""
+    info = init_dist(args.device, args.dist_timeout)
+    seed_everything(args.seed, info.rank)
+    print_config(args, title)
+    out_dir = run_dir(stage, args.run_name)
+    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb,
+                        run_name=f"{stage}/{args.run_name}", config=vars(args))
+    if not args.resume and info.is_main and os.path.exists(log.path):
+        os.remove(log.path)
+    return info, out_dir, log
 
 
 class MetricsLogger:
@@ -425,9 +375,13 @@ class MetricsLogger:
 
 
 def write_eval(run_path: str, metrics: dict):
-    """A stage's held-out metrics, which --report gathers."""
-    with open(os.path.join(run_path, "eval.json"), "w") as f:
+    """A stage's held-out metrics, which --report gathers: eval.json, written by rank 0, atomically."""
+    if not dist_info().is_main:
+        return
+    path = os.path.join(run_path, "eval.json")
+    with open(path + ".tmp", "w") as f:
         json.dump({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def _rss_bytes():
@@ -443,7 +397,6 @@ def peak_memory_mb(device):
     memory of the process above what it held once torch was imported (comparable to memory.estimate)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    import resource
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _RSS_AT_START) / 2**20  # Linux: KiB
 
 
@@ -456,303 +409,7 @@ def check_finite(loss, step):
 
 
 # ------------------------------------------------------------------------------------------------
-# Checkpoints: Hugging Face folders plus nanopost's training state, written atomically
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2):
-    """Write run_path/checkpoints/step_XXXXXX/ : a Hugging Face folder (config.json, the safetensors
-    weights, tokenizer files: what transformers reads; a LoRA run's: its adapter folder in PEFT's format,
-    what peft reads), plus nanopost's training state: the optimizer
-    (optimizer.pt, or under FSDP2 the sharded optimizer/ folder of torch.distributed.checkpoint, which a
-    run on another number of ranks can load), trainer_state.json and rng_rank{r}.pt. Everything goes to
-    a .tmp folder renamed into place only when complete, so a process killed mid-save leaves the previous
-    checkpoint intact; a full disk is a UserError naming the folder. The `keep` newest are kept. Every
-    rank calls it."""
-    root = os.path.join(run_path, "checkpoints")
-    final = os.path.join(root, f"step_{step:06d}")
-    tmp = final + ".tmp"
-    gpt, sharded = unwrap(model), reshard(model)
-    try:
-        if _DIST.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        barrier()
-        if sharded or _DIST.is_main:  # sharded weights are gathered tensor by tensor, with every rank
-            # a LoRA run saves its adapter only (PEFT's format), which names the frozen base it applies to
-            (gpt.save_adapter if getattr(gpt, "lora", None) else gpt.save_hf)(tmp, tokenizer)
-        if optimizer is not None and sharded:
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-            dcp.save({"optimizer": get_optimizer_state_dict(gpt, optimizer)},
-                     checkpoint_id=os.path.join(tmp, "optimizer"))
-        if _DIST.is_main:
-            if optimizer is not None and not sharded:
-                _save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, "world_size": _DIST.world_size, **(state or {})}, f, indent=2)
-        barrier()
-        _save(rng_state(), os.path.join(tmp, f"rng_rank{_DIST.rank}.pt"))
-        barrier()
-        if _DIST.is_main:
-            for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename publishes them
-                for name in names:
-                    with open(os.path.join(folder, name), "rb") as f:
-                        os.fsync(f.fileno())
-            if os.path.exists(final):
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            for old in list_checkpoints(run_path)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-    except Exception as e:
-        if _disk_full(e):
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise UserError(f"no room to write the checkpoint {final} ({e}); the previous checkpoint is intact: "
-                            f"free disk space, then continue with --resume") from None
-        raise
-    barrier()
-    return final
-
-
-def _disk_full(e) -> bool:
-    """Whether a failed checkpoint write means a full disk (or quota, or file-size limit): an OSError, or the
-    same error as torch.save wraps it (its __context__) or as safetensors reports it (in its message)."""
-    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    if any(isinstance(err, OSError) and err.errno in codes for err in (e, e.__context__)):
-        return True
-    return any(f"(os error {code})" in str(e) for code in codes)
-
-
-def _save(obj, path):
-    """torch.save through a Python file, so that a full disk surfaces as an OSError."""
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-
-
-def list_checkpoints(run_path) -> list[str]:
-    root = os.path.join(run_path, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))]
-    return [p for _, p in sorted(found) if os.path.isfile(os.path.join(p, "trainer_state.json"))]
-
-
-def latest_checkpoint(run_path):
-    ckpts = list_checkpoints(run_path)
-    return ckpts[-1] if ckpts else None
-
-
-def resolve_model_path(path: str) -> str:
-    """A model folder (config.json) or LoRA adapter folder (adapter_config.json) as is; a run directory ->
-    its latest checkpoint."""
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-        return path
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise UserError(f"{path}: neither a model folder (config.json) nor a run directory with checkpoints; "
-                        f"run the previous stage first or pass --init PATH")
-    return ckpt
-
-
-def resume_checkpoint(run_path: str) -> str:
-    """The checkpoint --resume continues from: the run's latest complete one (a folder still being
-    written, step_*.tmp, is never picked up)."""
-    ckpt = latest_checkpoint(run_path)
-    if ckpt is None:
-        raise UserError(f"--resume: no checkpoint in {run_path}; start the run without --resume")
-    return ckpt
-
-
-def rng_state():
-    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def load_training_state(ckpt, optimizer=None, model=None) -> dict:
-    """Restore the optimizer and this rank's RNG from a checkpoint; returns trainer_state.json.
-    Call it AFTER any seeding, so the restored RNG is the one that continues. A sharded (FSDP2) model's
-    optimizer comes from the checkpoint's optimizer/ folder, resharded to however many ranks run now. On
-    another number of ranks the per-rank RNG streams cannot be restored: the run continues from the
-    saved weights and optimizer with fresh per-rank seeds (its losses will differ from the original's)."""
-    with open(os.path.join(ckpt, "trainer_state.json")) as f:
-        state = json.load(f)
-    sharded = model is not None and reshard(model)
-    if optimizer is not None and os.path.isdir(os.path.join(ckpt, "optimizer")):  # saved sharded: any layout now
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-        if model is None:
-            raise ValueError("load_training_state needs the model to restore a sharded optimizer")
-        osd = get_optimizer_state_dict(unwrap(model), optimizer)
-        dcp.load({"optimizer": osd}, checkpoint_id=os.path.join(ckpt, "optimizer"))
-        set_optimizer_state_dict(unwrap(model), optimizer, osd)
-    elif optimizer is not None:
-        if sharded:
-            raise UserError(f"{ckpt} was saved without --fsdp (optimizer.pt); resume it without --fsdp")
-        optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu",
-                                             weights_only=False))
-    if state.get("world_size", _DIST.world_size) != _DIST.world_size:
-        print0(f"note: {ckpt} was saved by {state['world_size']} rank(s), this run has {_DIST.world_size}: "
-               f"weights and optimizer resume, the random streams start afresh")
-        return state
-    s = torch.load(os.path.join(ckpt, f"rng_rank{_DIST.rank}.pt"), weights_only=False)
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-    return state
-
-
-# ------------------------------------------------------------------------------------------------
-# Packing: examples are (inputs, targets) pairs built per document, so a label never crosses documents
-
-IGNORE = -100  # the target of a position that is not trained
-
-
-def pack_bfd(lengths, capacity):
-    """Best-fit decreasing: longest first, each into the open row with the least room that still fits
-    it (a new row when none does). Returns rows as lists of example indices. O(n * capacity)."""
-    rows, by_room = [], defaultdict(list)  # room left -> rows with exactly that much room
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = lengths[i]
-        if n > capacity:
-            raise ValueError(f"example {i} has {n} tokens, more than the row capacity {capacity}")
-        room = next((r for r in range(n, capacity + 1) if by_room[r]), None)
-        if room is None:
-            rows.append([i])
-            r, left = len(rows) - 1, capacity - n
-        else:
-            r = by_room[room].pop()
-            rows[r].append(i)
-            left = room - n
-        by_room[left].append(r)
-    return rows
-
-
-def pack_sequences(seqs, pad_id, layout="right", capacity=None, targets=None):
-    """Lay whole sequences out in rows for one forward: (ids, doc_ids, targets, ends), ends being the
-    (rows, columns) of each sequence's last token. targets (per sequence, or None for none) are laid out
-    alongside, IGNORE elsewhere. Layouts, all giving each sequence the same outputs:
-      right   one sequence per row, padded after it: no mask needed (causal attention never looks right)
-      left    one per row, padded before it: the padding is a document of its own, so nothing attends to it
-      packed  best-fit packed into rows of `capacity` tokens, each sequence its own document (positions
-              restart, attention never crosses): no padding compute, the training default."""
-    if layout == "packed":
-        rows = pack_bfd([len(s) for s in seqs], capacity or max(len(s) for s in seqs))
-    elif layout in ("right", "left"):
-        rows = [[i] for i in range(len(seqs))]
-    else:
-        raise ValueError(f"layout must be 'right', 'left' or 'packed', got {layout!r}")
-    T = max(sum(len(seqs[i]) for i in row) for row in rows)
-    ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    docs = torch.zeros((len(rows), T), dtype=torch.long)
-    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    where = [None] * len(seqs)  # (row, column) of each sequence's last token
-    for r, row in enumerate(rows):
-        col = T - len(seqs[row[0]]) if layout == "left" else 0
-        docs[r, :col] = -1  # left padding: a document before the sequence
-        for d, i in enumerate(row):
-            n = len(seqs[i])
-            ids[r, col:col + n] = torch.tensor(seqs[i])
-            if targets is not None and targets[i] is not None:
-                tgt[r, col:col + n] = torch.tensor(targets[i])
-            docs[r, col:col + n] = d
-            col += n
-            where[i] = (r, col - 1)
-        docs[r, col:] = len(row)  # right padding: a document after them
-    return ids, docs, tgt, tuple(torch.tensor(where).T)
-
-
-def collate(examples, row, pad_id, length=None):
-    """One row of packed examples -> inputs, targets, doc_ids (padding is a document of its own)."""
-    inputs, targets, docs = [], [], []
-    for d, i in enumerate(row):
-        x, y = examples[i]
-        inputs += x
-        targets += y
-        docs += [d] * len(x)
-    pad = (length or len(inputs)) - len(inputs)
-    return inputs + [pad_id] * pad, targets + [IGNORE] * pad, docs + [len(row)] * pad
-
-
-def make_batch(examples, rows, pad_id, seq_len, packing, device):
-    """Tensors for a list of rows. Packed rows are seq_len long with document ids; padded rows are
-    as long as the longest in the batch, right-padded, no document ids needed (causal attention never
-    looks right)."""
-    length = seq_len if packing == "bfd" else max(sum(len(examples[i][0]) for i in row) for row in rows)
-    cols = [collate(examples, row, pad_id, length) for row in rows]
-    x, y, d = (torch.tensor([c[k] for c in cols], device=device) for k in range(3))
-    return x, y, (d if packing == "bfd" else None)
-
-
-def micro_batches(lengths, max_tokens: int, packed=False) -> list[list[int]]:
-    """Sequences grouped into forward passes of at most max_tokens tokens each, so that long sequences
-    cannot blow up a fixed row count. Padded (packed=False): a pass is as long as its longest sequence, so
-    it costs count x longest; sequences are sorted by length first (little padding). Packed: a pass costs
-    the sum of its lengths; the order is kept. A sequence longer than max_tokens is a pass of its own.
-    Every rank must run as many passes as the others (a collective per pass under DDP/FSDP): the count is
-    agreed over ranks with an all-reduce, and a rank with fewer pads its list with empty passes ([]).
-    Example: lengths [5, 30, 8, 31], max_tokens 64 -> [[0, 2], [1, 3]] (2 x 8 and 2 x 31 tokens);
-    packed -> [[0, 1, 2], [3]] (43 and 31 tokens)."""
-    order = range(len(lengths)) if packed else sorted(range(len(lengths)), key=lambda i: int(lengths[i]))
-    passes, current, cost = [], [], 0
-    for i in order:
-        n = int(lengths[i])
-        new_cost = cost + n if packed else (len(current) + 1) * n
-        if current and new_cost > max_tokens:
-            passes.append(current)
-            current, new_cost = [], n
-        current.append(i)
-        cost = new_cost
-    if current:
-        passes.append(current)
-    n = int(all_reduce_max(len(passes)))
-    return passes + [[] for _ in range(n - len(passes))]
-
-
-
-@torch.no_grad()
-def heldout_loss(model, examples, rows, pad_id, seq_len, packing, device, batch_size=16):
-    """Mean next-token loss over the trained tokens of held-out rows (make_batch's rows of examples).
-    Each rank computes its share
-    (rows[rank::world]) in as many passes as the others (an FSDP2 forward is a collective), then the sums
-    are added up."""
-    info = _DIST
-    mine = rows[info.rank::info.world_size]
-    n_passes = int(all_reduce_max(-(-len(mine) // batch_size)))
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, n_passes * batch_size, batch_size):
-        if i >= len(mine):
-            idle_pass(model, backward=False)
-            continue
-        x, y, d = make_batch(examples, mine[i:i + batch_size], pad_id, seq_len, packing, device)
-        with autocast(device):
-            total -= model(x, y, doc_ids=d).sum().item()
-        count += (y != IGNORE).sum().item()
-    model.train()
-    sums = all_reduce_dict({"total": total, "count": count}, keys=["total", "count"])
-    return sums["total"] / max(1, sums["count"])
-
-
-
-# ------------------------------------------------------------------------------------------------
 # Optimization
-
-def epoch_batch(num_rows, step, batch_size, seed):
-    """Indices of the global batch at `step`: a fresh permutation every epoch, a pure function of
-    (seed, step), so that a resumed run reads exactly the rows an uninterrupted one would, epoch
-    boundaries included."""
-    start = step * batch_size
-    out = []
-    while len(out) < batch_size:
-        epoch, offset = divmod(start + len(out), num_rows)
-        perm = np.random.RandomState(seed + epoch).permutation(num_rows)
-        out.extend(perm[offset:offset + batch_size - len(out)].tolist())
-    return out
 
 
 def make_optimizer(model, lr, weight_decay=0.0, betas=(0.9, 0.95)):
@@ -778,21 +435,20 @@ LEARNING_RATES = {  # stage: (the embedded world's, a real model's, from the lit
 }
 
 
-def is_real_model(config) -> bool:
+def is_real_model(model) -> bool:
     """A model from outside the embedded world: a real vocabulary, or more than 50M parameters."""
-    from memory import Shape
-    return config.vocab_size >= 32000 or Shape.of(config).params() >= 50_000_000
+    return model.config.vocab_size >= 32000 or model.num_params() >= 50_000_000
 
 
-def learning_rate(flag, stage, config, name="--lr"):
+def learning_rate(flag, stage, model, name="--lr"):
     """The learning rate a run uses: the flag as given, else the embedded world's default for its small
     models or the literature's for a real checkpoint (LEARNING_RATES), said out loud."""
     if flag is not None:
         return flag
     small, real = LEARNING_RATES[stage]
-    lr = real if is_real_model(config) else small
+    lr = real if is_real_model(model) else small
     print0(f"{name} {lr:g}: the {'real-model' if lr == real else 'embedded-world'} default for {stage} "
-           f"({config.vocab_size:,}-token vocabulary); pass {name} to choose")
+           f"({model.config.vocab_size:,}-token vocabulary); pass {name} to choose")
     return lr
 
 
@@ -811,7 +467,6 @@ def set_lr(optimizer, lr):
 
 def progress(iterable, **kwargs):
     """A tqdm bar on rank 0; in a log file (no terminal) it updates every 30 s instead of flooding it."""
-    from tqdm import tqdm
     return tqdm(iterable, disable=not _DIST.is_main, dynamic_ncols=True,
                 mininterval=0.1 if sys.stderr.isatty() else 30, **kwargs)
 

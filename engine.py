@@ -8,16 +8,16 @@ Batched KV-cache sampling on the training device, token in, token out.
 The weights it samples with. `Engine.prepare()` reads the model once, parameter by parameter through
 `_full_weight`, into everything the decode loop uses: a plain (unwrapped) model in the compute dtype
 (bfloat16 on CUDA, float32 on CPU; `Engine(..., dtype=)` overrides), the fused decode weights of
-`GPT.decode_weights`, and the LM head in float32. Master weights already plain and in that dtype (float32
+`decode_weights`, and the LM head in float32. Master weights already plain and in that dtype (float32
 on CPU) are shared, not copied. Nothing is cast while decoding and no autocast is entered: the KV cache
 is in the compute dtype too. The logits sampled from are `F.linear(h.float(), head_fp32)`, the final hidden
 state cast to float32 times the float32 head, which is how the trainer computes its log-probs: the output
 head is the main source of sampler/trainer mismatch in bfloat16 (MiniMax-M1, arXiv:2506.13585;
 PrimeIntellect-ai/prime-rl#2438).
 
-A LoRA model (model.LoRALinear) is sampled with its adapters unmerged: the frozen base, already in the
+A LoRA model (lora.LoRALinear) is sampled with its adapters unmerged: the frozen base, already in the
 compute dtype, is shared; the adapters are cast to it, and decode_step adds each fused layer's low-rank
-update B(A x) after its matmul (GPT.decode_weights). A bfloat16 merge W + (alpha/r) B A would round away
+update B(A x) after its matmul (decode_weights). A bfloat16 merge W + (alpha/r) B A would round away
 every update element below half a ulp of W, which the trainer, applying them unmerged, does see.
 
 `generate` prepares on every call, so it always samples from the weights as they are now. A loop that
@@ -57,8 +57,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import compute_dtype
-from model import GPT, KVCache, add_lora, process_logits
+from common import compute_dtype, unwrap
+from lora import LoRALinear, add_lora, lora_layers
+from model import GPT, KVCache, apply_rope, process_logits, rms_norm
 from tokenizer import parse_tool_calls
 
 
@@ -125,12 +126,111 @@ def run_tool_calls(text: str, tools: dict) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
+# One decode step, fast: the module forward's numbers as one flat function over fused weights
+
+def decode_weights(model, head=None):
+    """The weights decode_step reads: per layer, fused, the q, k and v projections as one matrix, gate
+    and up as one, the q/k-norm gains as one (H + H_kv, D) table, attention's 1/sqrt(D) folded into q
+    (into q's norm gain when there is one: the norm would undo it on the weights); and `head`, the
+    (V, C) float32 matrix the logits come from (default: this model's lm_head in float32; the engine
+    passes the master weights' own). A copy in this model's dtype: build it again whenever the weights
+    change (Engine.prepare does: one pass over them)."""
+    if model.config.head != "lm":
+        raise ValueError("decode_step needs the language-model head")
+    scale = model.config.head_dim ** -0.5
+    layers = []
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        w_q, qk_gain = a.q_proj.weight, None
+        if hasattr(a, "q_norm"):
+            qk_gain = torch.cat([a.q_norm.weight.expand(a.n_head, -1) * scale, a.k_norm.weight.expand(a.n_kv_head, -1)])
+        else:
+            w_q = w_q * scale  # RoPE is linear: scaling q before it is scaling after it
+        # LoRA adapters stay unmerged: a bfloat16 W + (alpha/r) B A would round away every update under
+        # half a ulp of W (~0.2% of |W|), which the trainer sees; the fused low-rank pairs add them apart
+        low_rank = None
+        if lora_layers(layer):
+            low_rank = (fused_low_rank([a.q_proj, a.k_proj, a.v_proj], None if qk_gain is not None else [scale, 1, 1]),
+                        fused_low_rank([a.o_proj]), fused_low_rank([mlp.gate_proj, mlp.up_proj]),
+                        fused_low_rank([mlp.down_proj]))
+        # o and down are applied as addmm(residual, y, W.T): the residual add rides in the matmul
+        layers.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
+                       a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
+                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t(), low_rank))
+    return {"layers": layers, "head": model.lm_head.weight.float() if head is None else head}
+
+def decode_step(model, tokens, kv_cache, weights):
+    """Float32 logits (B, V) of one new token per row (tokens: (B,)), appended to kv_cache: the numbers
+    of F.linear(hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1].float(), weights["head"]), but
+    as one flat function over the fused weights of decode_weights, with q and k normed and rotated
+    together and each residual add inside its matmul. A small model's decode step is mostly per-op
+    overhead, and this runs about half the ops of the module forward (see benchmarks/bench_engine.py).
+    Everything runs in the dtype of this model's weights (the KV cache's too); only the head is float32."""
+    c, t = model.config, kv_cache.length
+    if not 0 < t < kv_cache.max_len:
+        raise ValueError(f"decode_step needs a prefilled KV cache with room: length {t}, max_len {kv_cache.max_len}")
+    B, H, Hk, D, eps = tokens.size(0), c.n_head, c.n_kv_head, c.head_dim, c.rms_norm_eps
+    doc = kv_cache.doc[:, t - 1]  # the new token continues its row's last document
+    kv_cache.doc[:, t] = doc
+    mask = (kv_cache.doc[:, :t + 1] == doc[:, None])[:, None, None] if kv_cache.isolated else None
+    pos = kv_cache.next_pos
+    dtype = model.model.embed_tokens.weight.dtype
+    cos = model.rope_cos[pos][:, None].to(dtype)  # (B, 1, D): the same for every head
+    sin = model.rope_signed_sin[pos][:, None].to(dtype)
+    x = model.model.embed_tokens(tokens)  # (B, C)
+    for i, (ln_attn, w_qkv, qk_gain, w_o_t, ln_mlp, w_gate_up, w_down_t, low_rank) in enumerate(weights["layers"]):
+        lr_qkv, lr_o, lr_gate_up, lr_down = low_rank or (None,) * 4  # LoRA adapters, unmerged (or none)
+        h = rms_norm(x, ln_attn, eps)
+        qkv = add_low_rank(F.linear(h, w_qkv), h, lr_qkv).view(B, H + 2 * Hk, D)
+        qk, v = qkv[:, :H + Hk], qkv[:, H + Hk:]
+        if qk_gain is not None:  # the gain differs per head: normalize, then one (H + Hk, D) multiply
+            qk = rms_norm(qk, None, eps) * qk_gain
+        qk = apply_rope(qk, cos, sin)
+        k_all, v_all = kv_cache.update(i, qk[:, H:, None], v[:, :, None])  # (B, Hk, t + 1, D)
+        # each kv head's group of query heads (pre-scaled) as its query axis: one plain attention call,
+        # which keeps the scores in float32 in bfloat16 too
+        q = qk[:, :H].reshape(B, Hk, H // Hk, D)
+        y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=1.0)
+        y = y.reshape(B, H * D)
+        x = add_low_rank(torch.addmm(x, y, w_o_t), y, lr_o)
+        h = rms_norm(x, ln_mlp, eps)
+        gate, up = add_low_rank(F.linear(h, w_gate_up), h, lr_gate_up).chunk(2, dim=-1)
+        y = F.silu(gate) * up
+        x = add_low_rank(torch.addmm(x, y, w_down_t), y, lr_down)
+    kv_cache.length += 1
+    kv_cache.next_pos = pos + 1
+    return F.linear(rms_norm(x, model.model.norm.weight, eps).float(), weights["head"])
+
+
+def fused_low_rank(linears, row_scale=None):
+    """One (A, B) pair for linear layers whose outputs are concatenated (q, k, v; gate, up), so that
+    F.linear(F.linear(x, A), B) is their low-rank updates concatenated: A stacks their A's (sum r, in) and
+    B is block-diagonal (sum out, sum r), each block alpha / r times its B (times row_scale[i] if given).
+    None when none of them is adapted. Dtype: that of the adapters (the engine's copy: the compute dtype)."""
+    if not any(isinstance(m, LoRALinear) for m in linears):
+        return None
+    blocks_a, rows, cols = [], 0, 0
+    ref = next(m for m in linears if isinstance(m, LoRALinear)).lora_A.weight
+    B = ref.new_zeros(sum(m.out_features for m in linears), sum(m.lora_A.out_features for m in linears
+                                                                    if isinstance(m, LoRALinear)))
+    for i, m in enumerate(linears):
+        if isinstance(m, LoRALinear):
+            r = m.lora_A.out_features
+            scale = m.scaling * (row_scale[i] if row_scale else 1.0)
+            B[rows:rows + m.out_features, cols:cols + r] = m.lora_B.weight * scale
+            blocks_a.append(m.lora_A.weight)
+            cols += r
+        rows += m.out_features
+    return torch.cat(blocks_a), B
+
+
+def add_low_rank(y, x, pair):
+    """y + B(A(x)): a fused low-rank update (None: nothing to add)."""
+    return y if pair is None else y + F.linear(F.linear(x, pair[0]), pair[1])
+
+
+# ------------------------------------------------------------------------------------------------
 # The weights the engine decodes with
-
-def _unwrap(model):
-    """The GPT itself: DistributedDataParallel keeps it as .module."""
-    return getattr(model, "module", model)
-
 
 def _full_weight(p):
     """A parameter as one whole, plain tensor. The single place the engine reads a weight: a sharded
@@ -143,8 +243,8 @@ def _full_weight(p):
 @dataclass
 class Prepared:
     """What generate decodes with (Engine.prepare)."""
-    model: GPT              # plain, in the compute dtype: the prefill runs its forward, decode its decode_step
-    weights: dict           # model.decode_weights(head): the fused per-layer weights and the float32 head
+    model: GPT              # plain, in the compute dtype: the prefill runs its forward, decode decode_step
+    weights: dict           # decode_weights(model, head): the fused per-layer weights and the float32 head
     head: torch.Tensor      # (V, C) float32: logits = F.linear(h.float(), head)
     versions: tuple         # the master parameters' version counters at prepare time (a change = an update)
 
@@ -172,7 +272,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.tools = tools or {}
-        self.dtype = dtype or compute_dtype(_unwrap(model).device)
+        self.dtype = dtype or compute_dtype(unwrap(model).device)
         self._prepared = None
         self._frozen = None  # a snapshot's weights, fixed (Engine.snapshot)
         self.call_end_id = None
@@ -186,7 +286,7 @@ class Engine:
     def prepare(self, copy=False) -> Prepared:
         """Read the model's weights once into what the engine decodes with (see the module docstring).
         copy=True copies them even where they could be shared (a snapshot must not move with training)."""
-        master = _unwrap(self.model)
+        master = unwrap(self.model)
         params = dict(master.named_parameters())  # a tied head is listed once, as the embedding
         lora = getattr(master, "lora", None)
         if not copy and all(type(p.detach()) is torch.Tensor and p.dtype == self.dtype for p in params.values()) \
@@ -195,7 +295,7 @@ class Engine:
         else:
             with torch.device("meta"):
                 model = GPT(master.config)
-            if lora:  # LoRA: the adapters too, unmerged, in the compute dtype (see GPT.decode_weights), no dropout
+            if lora:  # LoRA: the adapters too, unmerged, in the compute dtype (see decode_weights), no dropout
                 add_lora(model, lora["r"], lora["alpha"], lora["targets"])
             for name, p in params.items():
                 if name == "lm_head.weight":
@@ -211,7 +311,7 @@ class Engine:
         head = _full_weight(master.lm_head.weight).float()  # no copy when the master is float32
         if copy and head.data_ptr() == master.lm_head.weight.data_ptr():
             head = head.clone()
-        return Prepared(model=model, weights=model.decode_weights(head), head=head, versions=_versions(master))
+        return Prepared(model=model, weights=decode_weights(model, head), head=head, versions=_versions(master))
 
     def snapshot(self) -> "Engine":
         """An engine over a frozen copy of the weights as they are now: it samples while the trainer moves on
@@ -238,7 +338,7 @@ class Engine:
             return self._frozen
         if self._prepared is None:
             return self.prepare()
-        if _versions(_unwrap(self.model)) != self._prepared.versions:
+        if _versions(unwrap(self.model)) != self._prepared.versions:
             raise RuntimeError("the model's weights changed inside `with engine.prepared():`; the engine would "
                                "sample from stale copies. Update the weights outside the block, or enter it again")
         return self._prepared
@@ -252,7 +352,7 @@ class Engine:
         Returns a list of Completion, prompt-major: the samples of prompt i are at i*num_samples + j.
         stream: called after every step with the token each completion got at that step (a list in
         completion order; None for a completion that had already ended), e.g. to print text as it grows."""
-        tok, cfg = self.tokenizer, _unwrap(self.model).config
+        tok, cfg = self.tokenizer, unwrap(self.model).config
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs a non-empty list of non-empty prompts")
         if any(max(p) >= cfg.vocab_size or min(p) < 0 for p in prompts):
@@ -367,7 +467,7 @@ class Engine:
                 out_tokens, out_logprobs, out_sampled = out_tokens[keep], out_logprobs[keep], out_sampled[keep]
                 forced, forced_len, forced_at = forced[keep], forced_len[keep], forced_at[keep]
                 next_tok, n_batch, compactions = next_tok[keep], n_live, compactions + 1
-            logits = model.decode_step(next_tok, cache, prep.weights)
+            logits = decode_step(model, next_tok, cache, prep.weights)
         results = _write_back(results, rows, live=live, length=length, tokens=out_tokens,
                               logprobs=out_logprobs, sampled=out_sampled)
 

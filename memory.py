@@ -20,6 +20,10 @@ the estimate within 20% of the measured peak of real SFT and GRPO steps at the r
 """
 from dataclasses import dataclass
 
+import torch
+
+from common import UserError, print0
+
 GiB = 2**30
 
 
@@ -119,6 +123,18 @@ def estimate(*, trained: list[Shape], frozen: list[Shape] = (), micro_batch_toke
     return out
 
 
+def rollout_estimate(*, trained, frozen=(), answers, prompt_len, max_new_tokens, minibatches, micro_batch_tokens,
+                     **kwargs) -> dict:
+    """estimate() for a stage that samples `answers` answers per rank per step (prompts of up to prompt_len
+    tokens, max_new_tokens new ones) and trains on them in `minibatches` optimizer steps of forward passes
+    of at most micro_batch_tokens tokens. kwargs: estimate's world_size, fsdp, cuda, grad_checkpointing,
+    lora_rank."""
+    rows_per_pass = -(-answers // minibatches)
+    return estimate(trained=trained, frozen=frozen,
+                    micro_batch_tokens=min(micro_batch_tokens, rows_per_pass * (prompt_len + max_new_tokens)),
+                    graded_tokens=min(micro_batch_tokens, rows_per_pass * max_new_tokens),
+                    sample_rows=answers, sample_tokens=prompt_len + max_new_tokens, **kwargs)
+
 def describe(est: dict) -> str:
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in est.items() if k != "total" and v)
     return f"{est['total'] / GiB:.2f} GiB ({parts})"
@@ -126,7 +142,6 @@ def describe(est: dict) -> str:
 
 def available_bytes(device) -> int | None:
     """What the device can hold: free GPU memory, or the machine's available RAM (None if unknown)."""
-    import torch
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         return free
@@ -141,7 +156,6 @@ def available_bytes(device) -> int | None:
 def check(est: dict, device) -> None:
     """Print the estimate before a run starts; refuse to start, naming both numbers, when it exceeds what
     the device has available."""
-    from common import UserError, print0
     print0(f"estimated peak memory per device: {describe(est)}")
     available = available_bytes(device)
     if available is not None and est["total"] > available:
@@ -149,15 +163,6 @@ def check(est: dict, device) -> None:
                         f"{device} has {available / GiB:.1f} GiB available: lower --micro-batch-tokens (or "
                         f"--device-batch-size), add --grad-checkpointing, shard with --fsdp on more devices, or "
                         f"use a larger device")
-
-
-def grader_shapes(reward_spec: str) -> list[Shape]:
-    """The shapes of the models among --reward's graders (rm:PATH, judge:PATH), frozen on every rank."""
-    from common import resolve_model_path
-    from model import load_config
-    from rewards import parse_reward
-    return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1])))
-            for _, name in parse_reward(reward_spec) if ":" in name]
 
 
 # Qwen3's published shapes: layers, width, heads, kv heads, head dim, MLP width, tied embeddings

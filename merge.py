@@ -51,8 +51,9 @@ import struct
 
 import torch
 
-from common import UserError, resolve_model_path, run_main
-from model import _safetensors_files, adapter_chain, merged_updates
+from checkpoint import resolve_model_path, safetensors_files
+from common import UserError, run_main
+from lora import adapter_chain, merged_updates
 
 # safetensors' names of the floating dtypes (the only ones an average means anything for)
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -86,7 +87,7 @@ class FolderTensors:
         self.folder = folder
         self.where = {}  # name -> (file, its header entry, the file's data start)
         try:
-            files = _safetensors_files(folder)
+            files = safetensors_files(folder)
         except FileNotFoundError as e:
             raise UserError(str(e)) from None
         for file in files:

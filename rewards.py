@@ -29,7 +29,12 @@ from typing import Callable
 import torch
 
 import sandbox
-from common import UserError, autocast, compute_dtype, pack_sequences, resolve_model_path
+from checkpoint import load_config, load_hf, resolve_model_path
+from common import UserError, autocast, compute_dtype
+from engine import Engine
+from memory import Shape
+from packing import pack_sequences
+from tokenizer import Tokenizer
 
 
 def answer_text(text: str) -> str:
@@ -51,10 +56,6 @@ def extract_gsm8k_answer(text: str) -> str | None:
         return None
     m = _GSM8K_ANSWER.search(text)
     return m.group(1).replace(",", "") if m else None
-
-
-def format_ok(text: str) -> bool:
-    return extract_gsm8k_answer(text) is not None
 
 
 def _gsm8k(completion: str, ground_truth: str) -> float:
@@ -234,7 +235,7 @@ def has_format(verifier: str, answer: str) -> bool:
 
 def last_token_values(model, seqs, pad_id, layout="right", capacity=None):
     """Scalar-head value at the last token of each sequence, (N,) float32, in one batch: right, left or
-    packed (common.pack_sequences), all giving the same values. The position read is where each
+    packed (packing.pack_sequences), all giving the same values. The position read is where each
     sequence ends by its own length, never a search for the first pad or eos (pad may equal eos: trl#2778)."""
     ids, docs, _, ends = pack_sequences(seqs, pad_id, layout, capacity)
     dev = model.device
@@ -246,9 +247,8 @@ def last_token_values(model, seqs, pad_id, layout="right", capacity=None):
 def load_reward_model(path, device="cpu"):
     """The reward model of a model folder or an rm run directory (its latest checkpoint): frozen, in eval
     mode, in the compute dtype (a frozen model needs no float32 master weights)."""
-    from model import GPT
     path = resolve_model_path(path)
-    model = GPT.from_hf(path, device=device, dtype=compute_dtype(device))
+    model = load_hf(path, device=device, dtype=compute_dtype(device))
     if model.config.head != "scalar":
         raise UserError(f"{path} is a language model, not a reward model (config.json is not "
                         f"*ForSequenceClassification); train one with chat_rm.py")
@@ -336,7 +336,6 @@ def judge_scores(judge_model, judge_tokenizer, prompts: list, answers: list[str]
       {"unparseable": the reply's last line is not a verdict (or the reply hit max_new_tokens),
        "too_long": the judge's prompt + max_new_tokens exceeds its context; these are not sent}.
     `answers` are answer texts (answer_text of the completion: no thinking, no end-of-turn token)."""
-    from engine import Engine
     rendered = [judge_tokenizer.render_for_completion(judge_messages(p, a, rubric), enable_thinking=enable_thinking)
                 for p, a in zip(prompts, answers, strict=True)]
     fits = [i for i, ids in enumerate(rendered) if len(ids) + max_new_tokens <= judge_model.config.max_seq_len]
@@ -355,10 +354,8 @@ def judge_scores(judge_model, judge_tokenizer, prompts: list, answers: list[str]
 def load_judge(path: str, device="cpu"):
     """The judge model (a chat model folder, e.g. a Qwen3 instruct download, or a run directory's latest
     checkpoint) and its tokenizer. Frozen: eval mode, no gradients, in common.compute_dtype(device)."""
-    from model import GPT
-    from tokenizer import Tokenizer
     path = resolve_model_path(path)
-    model = GPT.from_hf(path, device=device, dtype=compute_dtype(device))
+    model = load_hf(path, device=device, dtype=compute_dtype(device))
     if model.config.head != "lm":
         raise UserError(f"judge: {path} is a reward model (a score head), not a chat model")
     return model.eval().requires_grad_(False), Tokenizer.load(path)
@@ -386,6 +383,13 @@ def parse_reward(spec: str) -> list[tuple[float, str]]:
     if len(set(names)) != len(names):
         raise UserError(f"--reward {spec!r} names a grader twice")
     return terms
+
+
+def grader_shapes(reward_spec: str) -> list[Shape]:
+    """The shapes of the models among --reward's graders (rm:PATH, judge:PATH), frozen on every rank: what
+    memory.estimate counts for them."""
+    return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1])))
+            for _, name in parse_reward(reward_spec) if ":" in name]
 
 
 @dataclass

@@ -11,14 +11,43 @@ they live here once:
 `sample` returns every answer with the prompt it answers, its data row and its grade, answer by answer:
 nothing is rewritten afterwards, and a subset is a plain selection (`Rollouts.select`). The sampler and
 the trainer disagree a little (kernels, precision, batch composition), and off-policy answers were sampled
-by older weights: `tis_weights` corrects for that; `kl_penalty` measures how far the policy moved from a
+by older weights: `sampler_correction` corrects for that; `kl_penalty` measures how far the policy moved from a
 reference on the tokens it sampled.
 """
+import collections
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from common import IGNORE, autocast, idle_pass, micro_batches
+from common import autocast, idle_pass
+from packing import IGNORE, micro_batches
+
+
+def add_rollout_flags(parser):
+    """The flags every stage that samples its policy and grades the answers shares (chat_rl.py, chat_ppo.py):
+    data, steps, sampling, the calculator, the graders, the sampler correction, held-out evaluation."""
+    parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
+    parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
+    parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
+    parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
+    parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
+    parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per rollout batch, all ranks together")
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn tool rollouts")
+    parser.add_argument("--max-tool-turns", type=int, default=6)
+    parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
+                        "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
+    parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
+    parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="for answers the sampler drew from "
+                        "another distribution (its numerics, or stale weights): reweight or mask (rollout.sampler_correction)")
+    parser.add_argument("--tis-cap", type=float, default=2.0, help="the cap of token-tis and sequence-tis; sequence-mask keeps [1/cap, cap]")
+    parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities differ by more than this")
+    parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
+    parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 
 
 @dataclass
@@ -68,6 +97,21 @@ class Rollouts:
                 **{f"count/{k}": float(v) for k, v in self.counts.items()}}
 
 
+def rollout_metrics(sums: dict) -> dict:
+    """What a sampling stage logs of its rollouts, from Rollouts.stats() summed over ranks: the reward and
+    its parts per answer, accuracy, lengths, and the tools' use (per answer; accuracy with and without)."""
+    n = sums["answers"]
+    with_tool = sums["tool_answers"]
+    return {"reward": sums["reward_sum"] / n, "accuracy": sums["correct"] / n,
+            **{k: v / n for k, v in sums.items() if k.startswith("reward/")},
+            **{k: v for k, v in sums.items() if k.startswith("count/")},
+            "length_mean": sums["length_sum"] / n, "truncated_frac": sums["truncated"] / n,
+            "tool_use_rate": with_tool / n,             # answers that called a tool
+            "tool_turns": sums["tool_calls"] / n,       # tool-calling turns per answer
+            "tool_errors": sums["tool_errors"] / n,     # tool results that were errors, per answer
+            "accuracy_with_tool": sums["correct_with_tool"] / max(1.0, with_tool),
+            "accuracy_without_tool": (sums["correct"] - sums["correct_with_tool"]) / max(1.0, n - with_tool)}
+
 def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperature=1.0, top_k=None,
            top_p=None, seed=0, tool_schemas=None, max_tool_turns=4) -> Rollouts:
     """Render each row's prompt, sample `samples_per_prompt` answers to each with the engine (tool calls
@@ -83,6 +127,77 @@ def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperat
     grades = grader(answer_rows, answer_prompts, completions)
     return Rollouts(answer_rows, answer_prompts, completions, grades.total, grades.parts, grades.errors,
                     samples_per_prompt, grades.counts)
+
+
+def draw_prompts(rows, n, *, seed, step, rank, round_=0):
+    """n rows drawn with replacement for this rank's share of a step, and the seed to sample their answers
+    with: a pure function of (seed, step, round, rank), so a resumed run samples what the uninterrupted one
+    would, and ranks draw different prompts."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + round_ * 17 + rank)
+    return [rows[i] for i in torch.randint(len(rows), (n,), generator=g).tolist()], int(g.initial_seed()) % 2**31
+
+
+# ------------------------------------------------------------------------------------------------
+# DAPO's sampling side: dynamic sampling and the overlong shaping (chat_rl.py)
+
+def dynamic_sampling(sample_round, need, max_rounds):
+    """Groups whose answers all scored the same teach nothing (their advantages are all 0, and with no KL
+    term their loss is exactly 0: trl#2703). DAPO samples more instead: sample_round(round, n) returns the
+    Rollouts of n prompts' groups; flat groups are dropped and more are sampled, up to max_rounds rounds;
+    the last round keeps everything it needs, flat or not, so the batch is always full.
+    Returns (rollouts of `need` groups, {"groups": groups sampled, "flat": flat groups among them})."""
+    kept, have, groups, flat = [], 0, 0, 0
+    for round_ in range(max_rounds):
+        if have == need:
+            break
+        rollouts = sample_round(round_, need - have)
+        G = rollouts.group_size
+        rewards = rollouts.rewards.view(-1, G)
+        is_flat = (rewards.max(1).values == rewards.min(1).values).tolist()
+        groups += len(is_flat)
+        flat += sum(is_flat)
+        last = round_ == max_rounds - 1
+        keep = [g for g, f in enumerate(is_flat) if last or not f]
+        kept.append(rollouts.select([g * G + j for g in keep for j in range(G)]))
+        have += len(keep)
+    return Rollouts.concat(kept), {"groups": groups, "flat": flat}
+
+
+def overlong_penalty(length, max_len, buffer, penalty=1.0):
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer, then linear down to -penalty at max_len."""
+    if buffer <= 0 or length <= max_len - buffer:
+        return 0.0
+    return -penalty * min(1.0, (length - (max_len - buffer)) / buffer)
+
+class StaleSampler:
+    """Rollouts sampled by older weights than the ones they train: the two departures from on-policy RL
+    (chat_rl.py --off-policy, --staleness). sample_step(engine, step) -> (rollouts, counts) draws one step's
+    batch with an engine. off_policy: the next step's batch is sampled in a thread, from a snapshot of the
+    weights, while this one trains (one update behind). staleness=k: each step samples with a snapshot of
+    the weights of k steps back. Called once per step: (rollouts, counts, how many updates behind)."""
+
+    def __init__(self, engine, sample_step, *, off_policy=False, staleness=0, steps):
+        self.engine, self.sample_step, self.off_policy, self.staleness, self.steps = \
+            engine, sample_step, off_policy, staleness, steps
+        self.snapshots = collections.deque()  # staleness: engines over the weights of the last steps, oldest first
+        self.pending = None                   # off_policy: the next step's rollouts, being sampled in a thread
+        self.thread = ThreadPoolExecutor(max_workers=1) if off_policy else None
+
+    def __call__(self, step):
+        if self.off_policy:  # this batch was sampled while the last one trained, by the weights before it
+            rollouts, counts = self.pending.result() if self.pending is not None else self.sample_step(self.engine, step)
+            behind = int(self.pending is not None)
+            self.pending = self.thread.submit(self.sample_step, self.engine.snapshot(), step + 1) \
+                if step + 1 < self.steps else None
+            return rollouts, counts, behind
+        self.snapshots.append(self.engine.snapshot())
+        if len(self.snapshots) > self.staleness + 1:
+            self.snapshots.popleft()
+        return (*self.sample_step(self.snapshots[0], step), len(self.snapshots) - 1)
+
+    def close(self):
+        if self.thread is not None:
+            self.thread.shutdown(wait=True)
 
 
 @dataclass
@@ -118,15 +233,6 @@ def training_batch(prompts, completions, pad_id, device, mask_truncated=False) -
     return TrainingBatch(x.to(device), y.to(device), m.to(device), eng.to(device), lengths)
 
 
-def tis_weights(trainer_logp, engine_logp, cap):
-    """Truncated importance sampling: the engine sampled with its own numerics (kernels, precision,
-    top-k/top-p truncation) or older weights, so weight each token by min(p_trainer / p_engine, cap),
-    detached. Example: per-token log-probs engine / trainer (-0.50 / -0.52), (-1.20 / -1.15),
-    (-0.05 / -0.08), (-3.50 / -2.60), (-0.90 / -1.10) give ratios 0.9802, 1.0513, 0.9704, 2.4596, 0.8187
-    (product 2.0138); capped at 2.0 the fourth is 2.0 and the product 1.6375."""
-    return torch.exp(trainer_logp - engine_logp).clamp(max=cap).detach()
-
-
 CORRECTIONS = ("token-tis", "token-mask", "sequence-tis", "sequence-mask", "none")
 
 
@@ -134,15 +240,16 @@ def sampler_correction(trainer_logp, engine_logp, mask, kind="token-tis", cap=2.
     """Per-token weights (B, T), detached, that correct for answers sampled by another distribution than
     the trainer's: other numerics (the engine's kernels and precision), or older weights (off-policy).
     The trainer's log-probs are the snapshot taken before the update; only tokens in `mask` count.
-      token-tis      min(p_trainer / p_engine, cap) per token (tis_weights)
+      token-tis      min(p_trainer / p_engine, cap) per token: truncated importance sampling
       token-mask     1, or 0 for a token whose probabilities differ by more than eps, |p_trainer - p_engine|
                      > eps (prime-rl's rule, eps 0.1): a disagreement is dropped, not reweighted
       sequence-tis   one weight per answer, min(prod over its tokens of p_trainer / p_engine, cap)
       sequence-mask  1, or 0 for a whole answer whose sequence weight lies outside [1 / cap, cap]
       none           1 everywhere
     Example, one answer with log-probs engine / trainer (-0.50 / -0.52), (-1.20 / -1.15), (-0.05 / -0.08),
-    (-3.50 / -2.60), (-0.90 / -1.10): the sequence weight is exp(0.70) = 2.0138 (sequence-tis at cap 2:
-    2.0; sequence-mask: 0, the answer dropped); the probability gaps are 0.012, 0.015, 0.028, 0.044, 0.074,
+    (-3.50 / -2.60), (-0.90 / -1.10): token-tis gives 0.9802, 1.0513, 0.9704, 2.4596 -> 2.0 (the cap), 0.8187
+    (product 1.6375); the sequence weight is exp(0.70) = 2.0138 (sequence-tis at cap 2: 2.0; sequence-mask:
+    0, the answer dropped); the probability gaps are 0.012, 0.015, 0.028, 0.044, 0.074,
     so token-mask at eps 0.04 drops the 4th and 5th tokens, and at eps 0.1 none."""
     mask = mask.to(trainer_logp.dtype)
     log_ratio = (trainer_logp - engine_logp) * mask

@@ -16,6 +16,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine  # noqa: E402
 from engine import Engine, sample_next  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -47,18 +48,18 @@ def timed(fns, repeats):
     return best
 
 
-def module_forward_step(model):
+def module_forward_step(model, tokens, cache, weights):
     """decode_step done by the module forward (what the engine would run without the fused step)."""
-    return lambda tokens, cache, weights: model(tokens[:, None], kv_cache=cache)[:, -1]
+    return model(tokens[:, None], kv_cache=cache)[:, -1]
 
 
 class ModuleForwardEngine(Engine):
     def generate(self, *a, **kw):
-        self.model.decode_step = module_forward_step(self.model)
+        fused, engine.decode_step = engine.decode_step, module_forward_step
         try:
             return super().generate(*a, **kw)
         finally:
-            del self.model.decode_step  # back to the class's decode_step
+            engine.decode_step = fused  # back to the fused decode_step
 
 
 if __name__ == "__main__":

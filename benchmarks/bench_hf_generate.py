@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import Engine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from checkpoint import save_hf  # noqa: E402
 
 
 class NoStopTokenizer:
@@ -59,7 +60,7 @@ if __name__ == "__main__":
     ours = GPT(GPTConfig(vocab_size=1024, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, head_dim=32,
                          intermediate_size=512, max_seq_len=512)).eval()
     with tempfile.TemporaryDirectory() as d:  # the very same weights, through our HF checkpoint
-        ours.save_hf(d)
+        save_hf(ours, d)
         hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
     engine = Engine(ours, NoStopTokenizer())
     N = args.new_tokens

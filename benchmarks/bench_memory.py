@@ -21,6 +21,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+from checkpoint import save_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -47,7 +48,7 @@ def make_folder(path, args):
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     model._init_rope()
-    model.save_hf(path, tok)
+    save_hf(model, path, tok)
 
 
 def sft_data(path, tokens):

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from chat_sft import build_rows, render_examples, sft_loss  # noqa: E402
-from common import IGNORE, make_batch  # noqa: E402
+from packing import IGNORE, make_batch  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from tasks import pretrain_text, sft_conversations  # noqa: E402
 from tokenizer import Tokenizer, render_text  # noqa: E402

@@ -25,6 +25,7 @@ PEAK_BF16_TFLOPS = {"H100": 989, "H200": 989, "A100": 312, "L40S": 362, "RTX 409
 def make_folder(path, shape):
     import torch
 
+    from checkpoint import save_hf
     from model import GPT, GPTConfig
     from tasks import pretrain_text, sft_conversations
     from tokenizer import Tokenizer, render_text
@@ -37,7 +38,7 @@ def make_folder(path, shape):
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     model._init_rope()
-    model.save_hf(path, tok, dtype=torch.bfloat16)
+    save_hf(model, path, tok, dtype=torch.bfloat16)
     return model.num_params()
 
 

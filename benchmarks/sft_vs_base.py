@@ -14,8 +14,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from chat_eval import paired_change  # noqa: E402
-from common import nanopost_home, resolve_model_path  # noqa: E402
+from evaluation import paired_change  # noqa: E402
+from checkpoint import load_hf, resolve_model_path  # noqa: E402
+from common import nanopost_home
 from engine import Engine  # noqa: E402
 from model import GPT  # noqa: E402
 from rewards import answer_text, verify  # noqa: E402
@@ -24,7 +25,7 @@ from tokenizer import Tokenizer  # noqa: E402
 
 
 def greedy_correct(path, problems, chat, max_new_tokens=192):
-    model, tok = GPT.from_hf(path), Tokenizer.load(path)
+    model, tok = load_hf(path), Tokenizer.load(path)
     if chat:
         prompts = [tok.render_for_completion([{"role": "user", "content": p.question}]) for p in problems]
     else:

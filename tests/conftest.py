@@ -14,3 +14,15 @@ def tok():
     texts = pretrain_text("train", 2000) + [render_text(c["messages"], tools=c.get("tools"))
                                             for c in sft_conversations("train", 500)]
     return Tokenizer.train(texts, vocab_size=512)
+
+
+@pytest.fixture(autouse=True)
+def scripted_models_decode_themselves(monkeypatch):
+    """The engine decodes with engine.decode_step over the model's fused weights. A test model that scripts
+    its next token (test_engine.ScriptedGPT, test_judge.ScriptedJudge) has no weights to fuse: it defines its
+    own decode_step method, which the engine then calls instead."""
+    import engine
+    fused = engine.decode_step
+    monkeypatch.setattr(engine, "decode_step", lambda model, tokens, cache, weights: (
+        type(model).decode_step(model, tokens, cache, weights) if hasattr(type(model), "decode_step")
+        else fused(model, tokens, cache, weights)))

@@ -15,7 +15,7 @@ A snippet that no longer occurs exactly once in its file is reported as stale, a
 must update the list, so it cannot rot silently (tests/test_mutation_list.py checks this in the normal suite).
 
 Why a short hand-picked list rather than mutmut or cosmic-ray: each mutant here is a bug someone could write
-(most of them shipped in a large library; see /work/shared/pitfalls.md), a reader can see at once what it breaks,
+(most of them shipped in a large library: the issue numbers are in each one's description), a reader can see at once what it breaks,
 and the whole list runs in minutes. Generated mutants number in the thousands for this code, a full run takes
 hours on two cores, and many of them are equivalent (the same behaviour: a changed constant in a log message, a
 `<` for `<=` where the values never tie) and have to be triaged by hand.
@@ -59,24 +59,24 @@ MUTANTS = [
             "tests/test_engine.py::test_engine_logprobs_equal_trainer_recomputation[0.7-20-None]"),
            "the engine samples at temperature 1 whatever it is asked (trl#4159)"),
     # KV cache positions
-    Mutant("decode-position-is-cache-index", "model.py",
-           "        pos = kv_cache.next_pos\n        dtype",
-           "        pos = torch.full_like(kv_cache.next_pos, t)\n        dtype",
+    Mutant("decode-position-is-cache-index", "engine.py",
+           "    pos = kv_cache.next_pos\n    dtype",
+           "    pos = torch.full_like(kv_cache.next_pos, t)\n    dtype",
            ("tests/test_engine.py::test_cached_greedy_equals_recompute_and_batch_equals_alone",
             "tests/test_engine.py::test_engine_logprobs_equal_trainer_recomputation[1.0-None-None]",
             "tests/test_model.py::test_decode_step_equals_the_cached_forward[True]"),
            "a decode step's RoPE position is the cache length, wrong for left-padded prompts (unsloth#3699)"),
     # packing boundaries
-    Mutant("packed-sequences-share-a-document", "common.py",
+    Mutant("packed-sequences-share-a-document", "packing.py",
            "            docs[r, col:col + n] = d\n", "            docs[r, col:col + n] = 0\n",
            (DPO + "test_padded_and_packed_logp_sums_equal_unpadded_sums",),
            "pack_sequences puts every sequence of a row in one document: attention crosses them"),
-    Mutant("sft-collate-one-document", "common.py",
+    Mutant("sft-collate-one-document", "packing.py",
            "docs += [d] * len(x)", "docs += [0] * len(x)",
            (SFT + "test_packing_keeps_labels_positions_and_isolation",),
            "SFT packing: positions do not restart and attention crosses conversations"),
     # loss masks
-    Mutant("sft-mask-off-by-one", "chat_sft.py",
+    Mutant("sft-mask-off-by-one", "packing.py",
            "zip(ids[1:], mask[1:])", "zip(ids[1:], mask[:-1])",
            (SFT + "test_labels_are_exactly_the_assistant_tokens",),
            "SFT grades the token after each assistant token, not the assistant's tokens"),
@@ -86,7 +86,7 @@ MUTANTS = [
            "the RL loss mask covers forced tool-result tokens"),
     # normalizers
     Mutant("rl-normalizer-per-pass", "chat_rl.py",
-           "normalizer=norm, max_len=args.max_new_tokens", "normalizer=None, max_len=args.max_new_tokens",
+           "adv, m, normalizer=norm,", "adv, m, normalizer=None,",
            (UPDATE + "[token-ppo-token-mean]",),
            "each forward pass divides by its own token count, not the minibatch's (open-instruct#1137)"),
     Mutant("seq-mean-divides-by-padded-length", "chat_rl.py",
@@ -118,7 +118,7 @@ MUTANTS = [
            "GAE drops lambda: Monte-Carlo advantages"),
     # the policy loss and its wiring in the loop
     Mutant("rl-kl-k3-in-loss", "chat_rl.py",
-           "kl = kl_penalty(logp, ref_logp[i, :cols], args.kl_kind)", 'kl = kl_penalty(logp, ref_logp[i, :cols], "k3")',
+           "kl = kl_penalty(logp, ref_logp[i, :cols], kl_kind)", 'kl = kl_penalty(logp, ref_logp[i, :cols], "k3")',
            (UPDATE + "[token-ppo-token-mean-k2]", UPDATE + "[token-ppo-token-mean-k1]"),
            "chat_rl puts k3 into the loss whatever --kl-kind says (trl#4637)"),
     Mutant("rl-level-ignored", "chat_rl.py",
@@ -130,7 +130,7 @@ MUTANTS = [
            (UPDATE + "[token-ppo-seq-mean-token-mean]",),
            "--agg never reaches the loss"),
     Mutant("rl-loss-type-ignored", "chat_rl.py",
-           "loss_type=args.loss, normalizer", 'loss_type="ppo", normalizer',
+           "loss_type=args.loss, max_len", 'loss_type="ppo", max_len',
            (UPDATE + "[token-cispo-token-mean]",),
            "--loss cispo never reaches the loss"),
     Mutant("gspo-ratio-not-length-normalized", "chat_rl.py",
@@ -156,7 +156,7 @@ MUTANTS = [
            (PPO + "test_second_epoch_uses_the_snapshot_ratio",),
            "PPO's ratio against the current policy, not the snapshot (trl#2769)"),
     # the loop's rollouts
-    Mutant("dynamic-sampling-drops-last-round", "chat_rl.py",
+    Mutant("dynamic-sampling-drops-last-round", "rollout.py",
            "if last or not f]", "if not f]",
            (RL + "test_dynamic_sampling_drops_flat_groups_and_fills_the_batch",),
            "dynamic sampling drops flat groups in its last round too: the batch comes out short"),
@@ -178,7 +178,7 @@ MUTANTS = [
            ("tests/test_judge.py::test_grader_weighs_and_returns_every_component",),
            "--reward verifier+0.1*format adds the format reward at weight 1"),
     # DPO family
-    Mutant("kto-labels-inverted", "chat_dpo.py",
+    Mutant("kto-labels-inverted", "chat_kto.py",
            "good = torch.tensor([g for _, _, g in answers]", "good = torch.tensor([not g for _, _, g in answers]",
            (DPO + "test_kto_micro_loss_follows_each_answers_label",
             DPO + "test_a_few_steps_on_a_separable_toy_push_the_margin_the_right_way[kto]",
@@ -195,7 +195,7 @@ MUTANTS = [
            (DPO + "test_each_loss_type_at_a_hand_computed_point",),
            "DPO ignores the chosen answer's reference log-prob (trl#1962)"),
     # resume, DDP
-    Mutant("resume-without-optimizer-state", "common.py",
+    Mutant("resume-without-optimizer-state", "checkpoint.py",
            "    elif optimizer is not None:\n        if sharded:", "    elif False:\n        if sharded:",
            ("tests/test_resume.py::test_killed_run_resumes_exactly[sft]",),
            "a resumed run starts AdamW afresh instead of loading its moments"),

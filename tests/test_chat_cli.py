@@ -16,6 +16,7 @@ from engine import Engine
 from model import GPT, GPTConfig
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from test_engine import ScriptedGPT, tool_conversation
+from checkpoint import load_hf, save_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +30,7 @@ def chat_folder(tok, tmp_path_factory):
                       intermediate_size=64, max_seq_len=512))
     with torch.no_grad():
         m.model.norm.weight.fill_(5.0)
-    m.save_hf(str(path), tok)
+    save_hf(m, str(path), tok)
     return str(path)
 
 
@@ -49,7 +50,7 @@ def test_multi_turn_conversation_through_stdin(tok, chat_folder):
     r = run_cli("--init", chat_folder, "--temperature", "1", "--max-new-tokens", "12", "--seed", "3",
                 stdin="What is 3 + 4?\nAnd 5 + 6?\n\n/reset\nAnd 5 + 6?\n/quit\nnever read\n")
     assert r.returncode == 0, r.stderr
-    model = GPT.from_hf(chat_folder).eval()
+    model = load_hf(chat_folder).eval()
     first_q, second_q = ({"role": "user", "content": q} for q in ("What is 3 + 4?", "And 5 + 6?"))
     first_prompt = tok.render_for_completion([first_q])
     first, first_shown = engine_reply(model, tok, first_prompt, 12, seed=3)  # turn i samples with seed + i
@@ -94,7 +95,7 @@ def test_missing_init_is_one_line_and_exit_2():
 
 
 def test_folder_without_chatml_tokens_is_one_line_and_exit_2(tok, chat_folder, tmp_path):
-    GPT.from_hf(chat_folder).save_hf(str(tmp_path))  # the model, without our tokenizer
+    save_hf(load_hf(chat_folder), str(tmp_path))  # the model, without our tokenizer
     plain = HFTokenizer(models.BPE())
     plain.train_from_iterator(["some text without chat tokens"] * 10, trainers.BpeTrainer(vocab_size=300))
     plain.save(str(tmp_path / "tokenizer.json"))

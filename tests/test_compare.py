@@ -17,6 +17,7 @@ from engine import Engine
 from model import GPT, GPTConfig
 from rewards import answer_text
 from tasks import rl_prompts
+from checkpoint import load_hf, save_hf
 
 torch.set_num_threads(1)
 PROBLEMS, SAMPLES, TEMPERATURE, MAX_NEW = 6, 3, 1.0, 12
@@ -38,14 +39,14 @@ def two_models(tok, tmp_path_factory):
                 if p.dim() >= 2:
                     p.normal_(0, 0.3)
         path = str(tmp_path_factory.mktemp(f"model{seed}"))
-        model.save_hf(path, tok)
+        save_hf(model, path, tok)
         paths.append(path)
     return paths
 
 
 def scores_by_hand(path, tok):
     """Per-problem greedy and sampled scores, generated here with the engine: all problems in one batch, seed 0."""
-    model = GPT.from_hf(path)
+    model = load_hf(path)
     prompts = [tok.render_for_completion(r["prompt"]) for r in rl_prompts("test", PROBLEMS)]
     engine = Engine(model, tok)
     greedy = [even_code_sum(None, answer_text(tok.decode(o.tokens)), None)

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from common import UserError
-from tasks import (contaminated_rows, decontaminate, ngram_overlap, ngrams, overlap_warning, preference_pairs,
-                   rl_prompts, row_texts, sft_conversations, words)
+from decontaminate import contaminated_rows, decontaminate, ngram_overlap, ngrams, overlap_warning, row_texts, words
+from tasks import preference_pairs, rl_prompts, sft_conversations
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,7 +92,7 @@ def test_planted_leak_is_found_and_dropped(tmp_path):
     assert warning.startswith("warning: --data: 1 of 21 rows share a 13-word n-gram with 1 of 30 evaluation rows, e.g. row 6:")
 
     # the command line, and a malformed row named by file:line
-    p = subprocess.run([sys.executable, "tasks.py", "decontaminate", "--data", str(data), "--against", str(against)],
+    p = subprocess.run([sys.executable, "decontaminate.py", "--data", str(data), "--against", str(against)],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "1 of 21 rows" in p.stdout and "row 6 and evaluation row 18 share" in p.stdout
     data.write_text(json.dumps(clean[0]) + "\n" + json.dumps({"messages": "hello"}) + "\n")

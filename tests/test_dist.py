@@ -9,10 +9,12 @@ import torch
 import torch.multiprocessing as mp
 
 import rewards
-from chat_eval import evaluate_chat
-from common import cleanup_dist, heldout_loss, init_dist
+from evaluation import evaluate_chat
+from common import cleanup_dist, init_dist
+from packing import heldout_loss
 from model import GPT, GPTConfig
 from tasks import rl_prompts, sft_conversations
+from checkpoint import load_hf, save_hf
 
 torch.set_num_threads(1)
 
@@ -66,7 +68,7 @@ def _evaluate(rank, world, port, folder, out):
         _env(rank, port)
         rewards.verify = even_code_sum
     init_dist("cpu")
-    model, tok = GPT.from_hf(folder), Tokenizer.load(folder)
+    model, tok = load_hf(folder), Tokenizer.load(folder)
     metrics, correct = evaluate_chat(model, tok, rl_prompts("test", 7), max_new_tokens=10, per_prompt=True)
     from chat_sft import build_rows, render_examples
     examples, _ = render_examples(tok, sft_conversations("val", 9), 512, "drop")
@@ -86,7 +88,7 @@ def test_evaluation_on_two_ranks_equals_one_process(tmp_path, tok, monkeypatch):
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.3)
-    model.save_hf(str(tmp_path / "model"), tok)
+    save_hf(model, str(tmp_path / "model"), tok)
     _evaluate(0, 1, None, str(tmp_path / "model"), str(tmp_path / "one.json"))
     ctx, port = mp.get_context("spawn"), free_port()
     procs = [ctx.Process(target=_evaluate, args=(r, 2, port, str(tmp_path / "model"), str(tmp_path / "two.json")))

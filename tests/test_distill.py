@@ -18,6 +18,7 @@ from common import cleanup_dist
 from engine import Completion
 from model import GPT, GPTConfig
 from rollout import batch_logprobs, training_batch
+from checkpoint import save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,14 +179,14 @@ def models(tok, tmp_path_factory):
     teacher = GPT(config)
     with torch.no_grad():  # tied embeddings: the logits grow 10x (the inputs are RMS-normed), a sharp teacher
         teacher.model.embed_tokens.weight.mul_(10)
-    teacher.save_hf(str(root / "teacher"), tok)
+    save_hf(teacher, str(root / "teacher"), tok)
     torch.manual_seed(0)
     student = GPT(config)
     with torch.no_grad():
         for s, t in zip(student.parameters(), teacher.parameters()):
             if s.dim() > 1:
                 s.mul_(0.8).add_(0.2 * t)
-    student.save_hf(str(root / "student"), tok)
+    save_hf(student, str(root / "student"), tok)
     return str(root / "student"), str(root / "teacher")
 
 
@@ -223,8 +224,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path, models, tok):
     from tokenizer import Tokenizer
     other = Tokenizer.train(["a b c 1 2 3"] * 10, vocab_size=300)
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=other.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
-                  intermediate_size=64, max_seq_len=512)).save_hf(str(tmp_path / "other"), other)
+    save_hf(GPT(GPTConfig(vocab_size=other.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)), str(tmp_path / "other"), other)
     env = {**os.environ, "NANOPOST_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, os.path.join(REPO, "chat_distill.py"), "--init", models[0], "--teacher",
                         str(tmp_path / "other")], env=env, capture_output=True, text=True, timeout=120)

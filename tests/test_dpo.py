@@ -10,12 +10,15 @@ import sys
 import pytest
 import torch
 
-from chat_dpo import (completion_example, completion_logps, dpo_loss, dpo_micro_loss, kto_items, kto_loss, kto_micro_loss,
-                      on_policy_rows, orpo_loss, orpo_micro_loss, pair_items, pairs_of_singles, reference_logps)
-from chat_eval import paired_change
-from common import IGNORE
+from chat_dpo import dpo_loss, dpo_micro_loss, orpo_loss, orpo_micro_loss
+from chat_kto import kto_items, kto_loss, kto_micro_loss, pairs_of_singles
+from evaluation import paired_change
+from packing import IGNORE
+from preferences import completion_example, completion_logps, on_policy_rows, pair_items, reference_logps
 from model import GPT, GPTConfig
-from tasks import kto_rows, load_kto, preference_pairs, rl_prompts
+from data import kto_rows, load_kto
+from tasks import preference_pairs, rl_prompts
+from checkpoint import save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -278,21 +281,22 @@ def test_a_few_steps_on_a_separable_toy_push_the_margin_the_right_way(tok, loss_
 @pytest.fixture(scope="module")
 def tiny_chat(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("chat")
-    tiny_model(tok, max_seq_len=512).save_hf(str(path), tok)
+    save_hf(tiny_model(tok, max_seq_len=512), str(path), tok)
     return str(path)
 
 
-def dpo_run(home, init, *extra, nproc=1):
-    args = [os.path.join(REPO, "chat_dpo.py"), "--init", init, "--num-train", "32", "--num-val", "6",
+def dpo_run(home, init, *extra, nproc=1, stage="dpo"):
+    """A short run of chat_dpo.py (stage "dpo") or chat_kto.py ("kto"): (its step rows, its eval.json)."""
+    args = [os.path.join(REPO, f"chat_{stage}.py"), "--init", init, "--num-train", "32", "--num-val", "6",
             "--eval-problems", "0", "--steps", "2", "--batch-size", "8", "--lr", "1e-2", *extra]
     cmd = [sys.executable, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    with open(os.path.join(home, "dpo", "default", "metrics.jsonl")) as f:
+    with open(os.path.join(home, stage, "default", "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    with open(os.path.join(home, "dpo", "default", "eval.json")) as f:
+    with open(os.path.join(home, stage, "default", "eval.json")) as f:
         return [row for row in rows if "loss" in row], json.load(f)
 
 
@@ -327,7 +331,8 @@ def test_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_chat):
 
 @pytest.mark.parametrize("loss", ["orpo", "kto"])
 def test_orpo_and_kto_train(tmp_path, tiny_chat, tok, loss):
-    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", loss, "--micro-batch-tokens", "100000")
+    rows, ev = dpo_run(tmp_path, tiny_chat, *(() if loss == "kto" else ("--loss", loss)), "--micro-batch-tokens", "100000",
+                       stage="kto" if loss == "kto" else "dpo")
     assert len(rows) == 2
     if loss == "kto":
         # step 1: the policy is the reference, every log-ratio and the reference point are 0, each answer loses
@@ -347,7 +352,7 @@ def test_kto_reads_unpaired_answers(tmp_path, tiny_chat):
                for r in preference_pairs("train", 60) for side in ("chosen", "rejected")]
     data = tmp_path / "kto.jsonl"
     data.write_text("".join(json.dumps(s) + "\n" for s in singles))
-    rows, ev = dpo_run(tmp_path, tiny_chat, "--loss", "kto", "--micro-batch-tokens", "100000", "--data", str(data))
+    rows, ev = dpo_run(tmp_path, tiny_chat, "--micro-batch-tokens", "100000", "--data", str(data), stage="kto")
     assert len(rows) == 2 and abs(rows[0]["loss"] - 0.5) < 1e-6  # the policy starts as the reference
     # 2 held-out answers (2% of 120): one good, one bad, same prompt; the file's labels followed, the good one
     # ends above the bad one (inverted labels: -6.5)

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import autocast
+import engine
 from engine import Engine, run_tool_calls, sample_next
 from model import GPT, GPTConfig, KVCache, logprobs_from_logits, process_logits
 from tasks import TOOLS
@@ -385,12 +386,12 @@ def test_no_second_cache_is_built(tok):
     assert allocated[2] <= cache / cfg.n_layer / 2
 
 
-def test_prepared_block_prepares_once_and_refuses_stale_weights(tok, model):
+def test_prepared_block_prepares_once_and_refuses_stale_weights(tok, model, monkeypatch):
     m = copy.deepcopy(model)
     eng = Engine(m, tok)
     prompts = prompts_of(tok, 2)
-    calls = []
-    m.decode_weights = lambda head=None: calls.append(1) or GPT.decode_weights(m, head)
+    calls, fused = [], engine.decode_weights
+    monkeypatch.setattr(engine, "decode_weights", lambda model, head=None: calls.append(1) or fused(model, head))
     first = eng.generate(prompts, max_new_tokens=10, temperature=0.0)
     with eng.prepared():
         again = [eng.generate(prompts, max_new_tokens=10, temperature=0.0) for _ in range(3)]

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from common import autocast
-from engine import Engine
+from engine import Engine, decode_step
 from model import GPT, GPTConfig, KVCache
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -60,7 +60,7 @@ def check_bf16_decode_step(device, cfg, steps=8):
     for _ in range(steps):
         want = F.linear(master.hidden_states(x[:, None], kv_cache=exact)[:, -1].float(), prep.head)
         by_module = F.linear(prep.model.hidden_states(x[:, None], kv_cache=module)[:, -1].float(), prep.head)
-        got = prep.model.decode_step(x, fused, prep.weights)
+        got = decode_step(prep.model, x, fused, prep.weights)
         assert got.dtype == torch.float32
         err_module = max(err_module, (by_module - want).abs().max().item())
         err_fused = max(err_fused, (got - want).abs().max().item())

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from common import UserError, resolve_model_path
+from checkpoint import load_hf, resolve_model_path, save_hf
+from common import UserError
 from engine import Engine
 from model import GPT, GPTConfig
 from tokenizer import SPLIT_PATTERN, Tokenizer, render_text
@@ -73,7 +74,7 @@ class StopAt:
 def test_greedy_generation_equals_transformers(tmp_path, tok, arch, tie, rope_scaling):
     hf = hf_model(arch, tok.vocab_size, tie=tie, rope_scaling=rope_scaling)
     hf.save_pretrained(tmp_path)
-    ours = GPT.from_hf(str(tmp_path)).eval()
+    ours = load_hf(str(tmp_path)).eval()
     prompts = questions(tok)
     assert len({len(p) for p in prompts}) == len(prompts)  # all lengths differ: left padding is exercised
     n = 24
@@ -101,7 +102,7 @@ def test_sharded_checkpoint_loads_with_equal_logits(tmp_path):
     hf.save_pretrained(tmp_path, max_shard_size="40KB")
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 2 and not (tmp_path / "model.safetensors").exists()
-    ours = GPT.from_hf(str(tmp_path)).eval()
+    ours = load_hf(str(tmp_path)).eval()
     x = torch.randint(0, 101, (2, 40))
     with torch.no_grad():
         torch.testing.assert_close(ours(x), hf(x).logits, atol=1e-4, rtol=0)
@@ -131,11 +132,11 @@ def test_bfloat16_checkpoint_in_both_config_forms(tmp_path, form):
         assert "rope_parameters" in cfg and cfg["dtype"] == "bfloat16"
     else:
         (tmp_path / "config.json").write_text(json.dumps(qwen_hub_config(cfg)))
-    ours = GPT.from_hf(str(tmp_path))  # dtype=None keeps the file's dtype
+    ours = load_hf(str(tmp_path))  # dtype=None keeps the file's dtype
     assert ours.config.rope_theta == 1_000_000.0 and not ours.config.tie_word_embeddings
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     x = torch.randint(0, 101, (2, 30))
-    ours32 = GPT.from_hf(str(tmp_path), dtype=torch.float32).eval()
+    ours32 = load_hf(str(tmp_path), dtype=torch.float32).eval()
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(ours32(x), ref(x).logits, atol=1e-4, rtol=0)
@@ -147,7 +148,7 @@ def test_bfloat16_checkpoint_in_both_config_forms(tmp_path, form):
 def test_from_hf_casts_to_bfloat16(tmp_path):
     hf = hf_model("llama", 101, tie=True)
     hf.save_pretrained(tmp_path)
-    m = GPT.from_hf(str(tmp_path), dtype=torch.bfloat16).eval()
+    m = load_hf(str(tmp_path), dtype=torch.bfloat16).eval()
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     assert m.lm_head.weight is m.model.embed_tokens.weight  # still tied after the cast
     x = torch.randint(0, 101, (1, 20))
@@ -160,8 +161,8 @@ def test_our_llama_checkpoint_round_trips_through_transformers(tmp_path, tok):
     # config_to_hf in Llama form, rope scaling included, loads in transformers with equal logits
     hf = hf_model("llama", tok.vocab_size, tie=False, rope_scaling=LLAMA3_ROPE)
     hf.save_pretrained(tmp_path / "hf")
-    ours = GPT.from_hf(str(tmp_path / "hf")).eval()
-    ours.save_hf(str(tmp_path / "ours"), tok)
+    ours = load_hf(str(tmp_path / "hf")).eval()
+    save_hf(ours, str(tmp_path / "ours"), tok)
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["dtype"] == cfg["torch_dtype"] == "float32"
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype="auto").eval()
@@ -175,7 +176,7 @@ def test_generation_config_stops_where_the_engine_stops(tmp_path, tok):
     torch.manual_seed(0)
     m = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, head_dim=16,
                       intermediate_size=64, max_seq_len=64))
-    m.save_hf(str(tmp_path), tok)
+    save_hf(m, str(tmp_path), tok)
     gen = transformers.GenerationConfig.from_pretrained(tmp_path)
     assert gen.eos_token_id == [tok.eos_id, tok.endoftext_id] and set(gen.eos_token_id) == tok.stop_ids
     assert gen.pad_token_id == tok.pad_id
@@ -254,11 +255,11 @@ def test_reward_model_scalar_head_round_trips(tmp_path, tok):
     rm = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, head_dim=16,
                        intermediate_size=64, max_seq_len=64, head="scalar")).eval()
     torch.nn.init.normal_(rm.score.weight)
-    rm.save_hf(str(tmp_path), tok)
+    save_hf(rm, str(tmp_path), tok)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForSequenceClassification"] and cfg["num_labels"] == 1
     assert not (tmp_path / "generation_config.json").exists()  # nothing to generate with a scalar head
-    again = GPT.from_hf(str(tmp_path)).eval()
+    again = load_hf(str(tmp_path)).eval()
     assert again.config.head == "scalar"
     x = torch.randint(0, tok.vocab_size, (3, 17))
     with torch.no_grad():
@@ -281,40 +282,40 @@ def test_unsupported_or_incomplete_folders_are_clear_errors(tmp_path):
         return str(d)
 
     with pytest.raises(ValueError, match="mistral"):
-        GPT.from_hf(folder("mistral", model_type="mistral", architectures=["MistralForCausalLM"]))
+        load_hf(folder("mistral", model_type="mistral", architectures=["MistralForCausalLM"]))
     with pytest.raises(ValueError, match="use_sliding_window"):
-        GPT.from_hf(folder("swa", use_sliding_window=True))
+        load_hf(folder("swa", use_sliding_window=True))
     with pytest.raises(UserError, match="model.safetensors"):
-        GPT.from_hf(folder("noweights"))
+        load_hf(folder("noweights"))
     d = folder("binonly")
     (tmp_path / "binonly" / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(UserError, match="pytorch_model.bin"):
-        GPT.from_hf(d)
+        load_hf(d)
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
     shards = sorted(p for p in os.listdir(tmp_path / "sharded") if p.startswith("model-"))
     os.remove(tmp_path / "sharded" / shards[1])
     with pytest.raises(UserError, match=shards[1]):
-        GPT.from_hf(str(tmp_path / "sharded"))
+        load_hf(str(tmp_path / "sharded"))
     with pytest.raises(UserError, match="config.json"):
         resolve_model_path(str(tmp_path / "nowhere"))
     bigger = folder("bigger", num_hidden_layers=3)  # config promises a layer the weights lack
     shutil.copy(tmp_path / "ok" / "model.safetensors", bigger)
     with pytest.raises(ValueError, match="model.layers.2"):
-        GPT.from_hf(bigger)
+        load_hf(bigger)
 
 
 MEMORY_PROBE = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from model import GPT, GPTConfig
+from checkpoint import load_hf
 
 def rss_mb():
     fields = dict(line.split(":") for line in open("/proc/self/status"))
     return {k: int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM")}
 
-GPT.from_hf(sys.argv[3])(torch.zeros(1, 4, dtype=torch.long))  # warm up torch's allocator and thread pools
+load_hf(sys.argv[3])(torch.zeros(1, 4, dtype=torch.long))  # warm up torch's allocator and thread pools
 before = rss_mb()["VmRSS"]
-m = GPT.from_hf(sys.argv[2], dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[4]])
+m = load_hf(sys.argv[2], dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[sys.argv[4]])
 with torch.no_grad():
     assert all(torch.isfinite(p.sum()) for p in m.parameters())  # touch every weight, no big temporaries
 print(rss_mb()["VmHWM"] - before)
@@ -327,8 +328,8 @@ def test_loading_does_not_hold_two_copies_of_the_weights(tmp_path):
     # is compared with the file size. A state_dict load (load_file + load_state_dict) peaks at ~2x.
     big = GPT(GPTConfig(vocab_size=16000, n_layer=1, n_embd=512, n_head=8, n_kv_head=4, head_dim=64,
                         intermediate_size=512, tie_word_embeddings=False))
-    big.save_hf(str(tmp_path / "big"))
-    GPT(GPTConfig(vocab_size=64, n_layer=1, n_embd=32, head_dim=8, max_seq_len=32)).save_hf(str(tmp_path / "warm"))
+    save_hf(big, str(tmp_path / "big"))
+    save_hf(GPT(GPTConfig(vocab_size=64, n_layer=1, n_embd=32, head_dim=8, max_seq_len=32)), str(tmp_path / "warm"))
     size_mb = os.path.getsize(tmp_path / "big" / "model.safetensors") / 2**20
     growth = {}
     for dtype in ("float32", "bfloat16"):
@@ -365,7 +366,7 @@ def test_sft_init_from_a_real_shaped_qwen3_folder(tmp_path):
     cfg = json.loads(open(os.path.join(ckpt, "config.json")).read())
     assert cfg["vocab_size"] == len(hf_tok) + 7 and cfg["eos_token_id"] == hf_tok.eos_token_id
     trained = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    ours = GPT.from_hf(ckpt, dtype=torch.float32).eval()
+    ours = load_hf(ckpt, dtype=torch.float32).eval()
     x = torch.tensor([Tokenizer.load(ckpt).render_for_completion(convs[0]["messages"][:-1])])
     with torch.no_grad():
         torch.testing.assert_close(ours(x), trained(x).logits, atol=1e-4, rtol=0)

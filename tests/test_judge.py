@@ -10,6 +10,7 @@ import rewards
 from common import UserError
 from model import GPT, GPTConfig
 from rewards import Rubric, judge_messages, judge_scores, load_judge, load_rubric, parse_verdict
+from checkpoint import save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +134,7 @@ def test_rubric_files(tmp_path):
 
 def test_load_judge_is_frozen_in_the_compute_dtype(tok, tmp_path, monkeypatch):
     torch.manual_seed(0)
-    GPT(tiny_config(tok)).save_hf(str(tmp_path / "judge"), tokenizer=tok)
+    save_hf(GPT(tiny_config(tok)), str(tmp_path / "judge"), tokenizer=tok)
     tok.save(tmp_path / "judge")
     model, judge_tok = load_judge(str(tmp_path / "judge"), "cpu")
     assert not model.training and not any(p.requires_grad for p in model.parameters())
@@ -157,7 +158,7 @@ def test_grader_weighs_and_returns_every_component(tok, tmp_path, monkeypatch):
     torch.manual_seed(0)
     rm = GPT(GPTConfig(**{**tiny_config(tok).__dict__, "head": "scalar"}))
     torch.nn.init.normal_(rm.score.weight)
-    rm.save_hf(str(tmp_path / "rm"), tok)
+    save_hf(rm, str(tmp_path / "rm"), tok)
     rubric = tmp_path / "rubric.txt"
     rubric.write_text("Scale: 0-10\nGrade correctness.")
     grader = Grader(f"verifier+0.5*format+0.2*judge:J+0.3*rm:{tmp_path / 'rm'}", tok, rubric=str(rubric))

@@ -10,9 +10,12 @@ import sys
 import pytest
 import torch
 
-from common import UserError, autocast, load_model, lora_options
+from checkpoint import load_hf, load_model, save_hf
+from common import UserError, autocast
+from lora import lora_options, save_adapter
 from engine import Engine
-from model import GPT, GPTConfig, LoRALinear, adapters_off
+from lora import LoRALinear, adapters_off
+from model import GPT, GPTConfig
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +30,7 @@ def tiny_config(vocab_size, head="lm"):
 def base_dir(tok, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("base"))
     torch.manual_seed(0)
-    GPT(tiny_config(tok.vocab_size)).save_hf(path, tok)
+    save_hf(GPT(tiny_config(tok.vocab_size)), path, tok)
     return path
 
 
@@ -94,7 +97,7 @@ def test_peft_loads_ours_and_we_load_peft(tok, base_dir, tmp_path):
     model = load_model(base_dir, lora=options(rank=4, alpha=8.0, targets="q_proj,v_proj,down_proj"))
     randomize_adapters(model)
     out = str(tmp_path / "ours")
-    model.save_adapter(out, tok)
+    save_adapter(model, out, tok)
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
     assert cfg["base_model_name_or_path"] == os.path.abspath(base_dir)
@@ -132,9 +135,9 @@ def test_engine_equals_trainer_in_bfloat16_on_a_small_update(tok, tmp_path):
         for p in m0.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.15)
-    m0.save_hf(str(tmp_path / "wide"), tok)
-    model = GPT.from_hf(str(tmp_path / "wide"), dtype=torch.bfloat16, lora=options(rank=8, alpha=16.0))
-    merged = GPT.from_hf(str(tmp_path / "wide"), dtype=torch.bfloat16)
+    save_hf(m0, str(tmp_path / "wide"), tok)
+    model = load_hf(str(tmp_path / "wide"), dtype=torch.bfloat16, lora=options(rank=8, alpha=16.0))
+    merged = load_hf(str(tmp_path / "wide"), dtype=torch.bfloat16)
     g, lost = torch.Generator().manual_seed(3), []
     with torch.no_grad():
         for name, m in model.named_modules():
@@ -174,10 +177,10 @@ def test_bad_inputs(tok, base_dir, tmp_path):
     torch.manual_seed(0)
     cfg = tiny_config(tok.vocab_size)
     cfg.intermediate_size = 128
-    GPT(cfg).save_hf(other, tok)
+    save_hf(GPT(cfg), other, tok)
     m = load_model(other, lora=options(targets="gate_proj"))
     m.lora["base"] = base_dir
-    m.save_adapter(str(tmp_path / "ad"), tok)
+    save_adapter(m, str(tmp_path / "ad"), tok)
     with pytest.raises(UserError, match=r"128 x 64 .* the base has 96 x 64"):
         load_model(str(tmp_path / "ad"))
     with pytest.raises(UserError, match=r"is \(128, 4\), the model .* needs \(96, 4\)"):
@@ -216,8 +219,8 @@ def sft_home(tok, tmp_path_factory):
     """A 4-step LoRA SFT run on a 1-layer model, checkpoints at steps 2 and 4."""
     home = tmp_path_factory.mktemp("home")
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
-                  intermediate_size=64, max_seq_len=512)).save_hf(str(home / "base"), tok)
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)), str(home / "base"), tok)
     run("chat_sft.py", ["--init", str(home / "base"), "--steps", "4", "--save-every", "2", *SFT], home)
     return home
 
@@ -300,12 +303,12 @@ def test_reward_model_adapter_loads_in_peft(tok, tmp_path):
     rm = GPT(tiny_config(tok.vocab_size, head="scalar"))
     with torch.no_grad():
         rm.score.weight.normal_(0, 0.5)
-    rm.save_hf(str(tmp_path / "rm"), tok)
+    save_hf(rm, str(tmp_path / "rm"), tok)
     model = load_model(str(tmp_path / "rm"), head="scalar", lora=options(rank=4))
     randomize_adapters(model)
     with torch.no_grad():
         model.score.weight.add_(0.1)  # the score head trains too
-    model.save_adapter(str(tmp_path / "ad"), tok)
+    save_adapter(model, str(tmp_path / "ad"), tok)
     assert json.load(open(tmp_path / "ad" / "adapter_config.json"))["task_type"] == "SEQ_CLS"
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"), dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()

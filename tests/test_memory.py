@@ -11,6 +11,7 @@ import torch
 
 import memory
 from model import GPT, GPTConfig
+from checkpoint import save_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_NARROW = dict(vocab_size=151936, n_layer=2, n_embd=256, n_head=4, n_kv_head=2, head_dim=64,
@@ -22,7 +23,7 @@ def real_vocab_folder(tok, tmp_path_factory):
     """A Qwen3 shape with the real vocabulary and a narrow trunk (40M parameters, nearly all embedding)."""
     path = tmp_path_factory.mktemp("qwen3_narrow")
     torch.manual_seed(0)
-    GPT(GPTConfig(**QWEN3_NARROW)).save_hf(str(path), tok)
+    save_hf(GPT(GPTConfig(**QWEN3_NARROW)), str(path), tok)
     return str(path)
 
 

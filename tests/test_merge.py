@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from checkpoint import load_hf, save_hf
 from common import UserError
 from merge import FolderTensors, merge, row_chunks
 from model import GPT, GPTConfig
@@ -26,7 +27,7 @@ def save_tiny(path, tok, seed, dtype=None, tie=False, intermediate_size=64):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))  # norms too, so that no tensor is equal across the folders
-    model.save_hf(str(path), tok, dtype=dtype)
+    save_hf(model, str(path), tok, dtype=dtype)
     return str(path)
 
 
@@ -44,12 +45,12 @@ def test_average_equals_hand_average_and_loads(tok, tmp_path):
     for name in ta:
         torch.testing.assert_close(tm[name], 0.5 * ta[name] + 0.3 * tb[name] + 0.2 * tc[name], rtol=1e-6, atol=1e-7)
     # it loads, and computes what a model built from the averaged state dicts computes
-    sds = [GPT.from_hf(f).state_dict() for f in (a, b, c)]
-    reference = GPT(GPT.from_hf(a).config)
+    sds = [load_hf(f).state_dict() for f in (a, b, c)]
+    reference = GPT(load_hf(a).config)
     reference.load_state_dict({k: 0.5 * sds[0][k] + 0.3 * sds[1][k] + 0.2 * sds[2][k] for k in sds[0]})
     ids = torch.randint(tok.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        torch.testing.assert_close(GPT.from_hf(out)(ids), reference(ids), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(load_hf(out)(ids), reference(ids), rtol=1e-5, atol=1e-5)
     assert Tokenizer.load(out).encode("Mia has 12 apples.") == tok.encode("Mia has 12 apples.")
     for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert open(os.path.join(out, name)).read() == open(os.path.join(a, name)).read()
@@ -88,7 +89,7 @@ def test_bfloat16_and_sharded_inputs(tok, tmp_path):
         torch.testing.assert_close(tm[k], 0.5 * ta[k].float() + 0.5 * tb[k].float(), rtol=0, atol=0)
     config = json.load(open(os.path.join(out32, "config.json")))
     assert config["torch_dtype"] == config["dtype"] == "float32"
-    GPT.from_hf(out32)
+    load_hf(out32)
 
 
 def test_refusals(tok, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 
 import common
 from common import DistInfo, MetricsLogger, UserError
+from checkpoint import save_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,8 +167,8 @@ def test_a_stage_with_wandb_logs_the_same_rows(tmp_path, tok):
 
     from model import GPT, GPTConfig
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
-                  intermediate_size=64, max_seq_len=512)).save_hf(str(tmp_path / "base"), tok)
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)), str(tmp_path / "base"), tok)
     stub = tmp_path / "stub"
     stub.mkdir()
     (stub / "wandb.py").write_text(

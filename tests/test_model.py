@@ -8,6 +8,8 @@ import torch
 
 from common import UserError
 from model import GPT, GPTConfig, KVCache, logprobs_from_logits, positions_from_doc_ids, process_logits
+from checkpoint import load_hf, save_hf
+from engine import decode_step, decode_weights
 
 torch.set_num_threads(1)
 
@@ -71,7 +73,7 @@ def test_decode_step_equals_the_cached_forward(qk_norm):
     ids = torch.randint(1, 97, (2, 9))
     doc = torch.tensor([[0] * 4 + [1] * 5, [1] * 9])
     caches = [KVCache(m.config, 4, 24, "cpu", torch.float32) for _ in range(2)]
-    weights = m.decode_weights()
+    weights = decode_weights(m)
     with torch.no_grad():
         for cache in caches:
             m(ids, doc_ids=doc, kv_cache=cache)
@@ -87,7 +89,7 @@ def test_decode_step_equals_the_cached_forward(qk_norm):
                     cache.keep_rows(torch.tensor([0, 1, 3]))
                 x = x[[0, 1, 3]]
             want = m(x[:, None], kv_cache=caches[0])[:, -1]
-            got = m.decode_step(x, caches[1], weights)
+            got = decode_step(m, x, caches[1], weights)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
             x = want.argmax(-1)
     assert caches[1].length == caches[0].length and torch.equal(caches[1].next_pos, caches[0].next_pos)
@@ -205,7 +207,7 @@ def hf_model(arch, kw, rope_scaling):
 def test_logits_equal_transformers(tmp_path, arch, kw, rope_scaling):
     hf = hf_model(arch, kw, rope_scaling)
     hf.save_pretrained(tmp_path)
-    ours = GPT.from_hf(str(tmp_path)).eval()
+    ours = load_hf(str(tmp_path)).eval()
     assert ours.config.arch == arch and ours.config.tie_word_embeddings == kw["tie_word_embeddings"]
     x = torch.randint(0, 101, (2, 40))
     with torch.no_grad():
@@ -217,7 +219,7 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, head):
     m = tiny(head=head, vocab_size=101)
     if head == "scalar":
         torch.nn.init.normal_(m.score.weight)
-    m.save_hf(str(tmp_path))
+    save_hf(m, str(tmp_path))
     cfg = json.load(open(os.path.join(tmp_path, "config.json")))
     x = torch.randint(0, 101, (2, 10))
     with torch.no_grad():
@@ -231,17 +233,17 @@ def test_our_checkpoint_loads_in_transformers(tmp_path, head):
             # transformers pools the score at the last token (no pad id configured, so one row at a time)
             for row in x:
                 torch.testing.assert_close(hf(row[None]).logits.squeeze(-1), m(row[None])[:, -1], atol=1e-5, rtol=0)
-    again = GPT.from_hf(str(tmp_path))
+    again = load_hf(str(tmp_path))
     with torch.no_grad():
         torch.testing.assert_close(again(x), m(x))
 
 
 def test_from_hf_errors_name_the_problem(tmp_path):
     with pytest.raises(UserError, match="config.json"):
-        GPT.from_hf(str(tmp_path))
+        load_hf(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="gpt2"):
-        GPT.from_hf(str(tmp_path))
+        load_hf(str(tmp_path))
 
 
 def test_activation_checkpointing_gives_the_same_loss_and_gradients():

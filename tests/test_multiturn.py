@@ -4,7 +4,7 @@ are never trained on, and a rollout that runs out of tool turns ends cleanly."""
 import torch
 
 from engine import Engine
-from common import IGNORE
+from packing import IGNORE
 from rollout import training_batch
 from tasks import TOOLS
 from test_engine import ScriptedGPT

@@ -16,6 +16,7 @@ from common import cleanup_dist
 from rollout import training_batch
 from engine import Completion
 from model import GPT, GPTConfig
+from checkpoint import load_hf, save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,8 +272,8 @@ LOGGED = ["reward", "kl", "kl_beta", "value_loss", "policy_loss", "explained_var
 def tiny_chat(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("sft")
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
-                  intermediate_size=64, max_seq_len=512)).save_hf(str(path), tok)
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)), str(path), tok)
     return str(path)
 
 
@@ -290,9 +291,9 @@ def ppo_run(home, init, *extra, nproc=1):
 
 
 def test_loop_runs_with_critic_from_rm(tmp_path, tiny_chat, tok):
-    rm = GPT.from_hf(tiny_chat, head="scalar")
+    rm = load_hf(tiny_chat, head="scalar")
     torch.nn.init.normal_(rm.score.weight, std=0.5)  # a trained RM's head is not zero
-    rm.save_hf(str(tmp_path / "rm" / "default"), tok)
+    save_hf(rm, str(tmp_path / "rm" / "default"), tok)
     rows, out = ppo_run(tmp_path, tiny_chat, "--ppo-epochs", "2", "--tools", "--kl-target", "1.0",
                         "--kl-horizon", "100", "--truncated-reward", "-0.5", "--freeze-actor-steps", "1",
                         "--reward", f"rm:{tmp_path / 'rm' / 'default'}")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from checkpoint import load_hf, save_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "128",
@@ -25,8 +26,8 @@ BASE_TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head",
 def tiny_chat(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("chat")
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
-                  intermediate_size=64, max_seq_len=512)).save_hf(str(path), tok)
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)), str(path), tok)
     return str(path)
 
 
@@ -136,7 +137,7 @@ def test_fsdp_run_killed_on_two_ranks_resumes_exactly_and_on_one_rank_continues(
     assert_same(reference, metrics_by_step(home, "sft", keys), keys, tol=1e-5)
     # the Hugging Face folder gathered from the shards loads in transformers with equal logits
     folder = str(home / "sft" / "default" / "checkpoints" / f"step_{steps:06d}")
-    ours, theirs = GPT.from_hf(folder).eval(), AutoModelForCausalLM.from_pretrained(folder).eval()
+    ours, theirs = load_hf(folder).eval(), AutoModelForCausalLM.from_pretrained(folder).eval()
     x = torch.randint(0, ours.config.vocab_size, (2, 17))
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x).logits, atol=1e-4, rtol=1e-4)
@@ -150,7 +151,8 @@ def test_fsdp_run_killed_on_two_ranks_resumes_exactly_and_on_one_rank_continues(
 def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, tiny_chat, monkeypatch, capsys):
     """NaN injected into the model's output at the 5th training forward (step 5: one micro-batch a step)."""
     import chat_sft
-    from common import list_checkpoints, run_main
+    from checkpoint import list_checkpoints
+    from common import run_main
     calls = {"n": 0}
     forward = GPT.forward
 
@@ -175,5 +177,5 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, tiny_c
         "the last checkpoint is intact and --resume restarts from it")
     ckpts = [os.path.basename(p) for p in list_checkpoints(str(tmp_path / "sft" / "default"))]
     assert ckpts == ["step_000002", "step_000004"]  # nothing written after the NaN; the good ones intact
-    weights = GPT.from_hf(os.path.join(tmp_path, "sft", "default", "checkpoints", "step_000004")).state_dict()
+    weights = load_hf(os.path.join(tmp_path, "sft", "default", "checkpoints", "step_000004")).state_dict()
     assert all(torch.isfinite(v).all() for v in weights.values())

@@ -10,12 +10,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from chat_eval import pass_at_k
-from chat_rl import group_advantages, loss_normalizer, overlong_penalty, policy_loss
-from common import all_reduce_sum, cleanup_dist, micro_batches
-from rollout import kl_penalty, tis_weights, training_batch
+from evaluation import pass_at_k
+from chat_rl import group_advantages, loss_normalizer, policy_loss
+from rollout import overlong_penalty
+from common import all_reduce_sum, cleanup_dist
+from packing import micro_batches
+from rollout import kl_penalty, sampler_correction, training_batch
 from engine import Completion
 from model import GPT, GPTConfig
+from checkpoint import load_hf, save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,8 +183,10 @@ def test_kl_estimator_gradients_against_the_analytic_kl():
 def test_truncated_importance_sampling_worked_table():
     rollout = torch.tensor([-0.500, -1.200, -0.050, -3.500, -0.900])
     trainer = torch.tensor([-0.520, -1.150, -0.080, -2.600, -1.100])
-    assert close(tis_weights(trainer, rollout, 1e9).prod(), 2.0138, 1e-4)    # uncapped: the sequence ratio
-    assert close(tis_weights(trainer, rollout, 2.0).prod(), 1.6375, 1e-4)
+    ones = torch.ones(1, 5)
+    token_tis = lambda cap: sampler_correction(trainer[None], rollout[None], ones, "token-tis", cap=cap)  # noqa: E731
+    assert close(token_tis(1e9).prod(), 2.0138, 1e-4)    # uncapped: the sequence ratio
+    assert close(token_tis(2.0).prod(), 1.6375, 1e-4)
 
 
 def test_overlong_penalty():
@@ -290,8 +295,8 @@ def test_two_ranks_with_uneven_lengths_equal_one_rank(tmp_path, agg):
 def tiny_chat(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("sft")
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
-                  intermediate_size=64, max_seq_len=512)).save_hf(str(path), tok)
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)), str(path), tok)
     return str(path)
 
 
@@ -355,9 +360,9 @@ def test_loop_runs_on_two_ranks(tmp_path, tiny_chat, fsdp):
 
 def test_loop_runs_with_a_reward_model(tmp_path, tiny_chat):
     torch.manual_seed(1)
-    rm = GPT.from_hf(tiny_chat, head="scalar")
+    rm = load_hf(tiny_chat, head="scalar")
     torch.nn.init.normal_(rm.score.weight)  # a random scorer: rewards differ from answer to answer
-    rm.save_hf(str(tmp_path / "rm"))
+    save_hf(rm, str(tmp_path / "rm"))
     rm_name = f"rm:{tmp_path / 'rm'}"
     rows = rl_run(tmp_path, tiny_chat, "--reward", f"verifier+0.1*format+0.5*{rm_name}")
     steps = [r for r in rows if "reward" in r]
@@ -386,10 +391,10 @@ def fsdp_update_run(rank, world, out_dir):
     for step in range(3):
         with torch.no_grad():
             old = model(b.inputs, b.targets) - 0.05  # a ratio away from 1, so the clip is exercised
-        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv[mine], ref_logp=None,
-                                       weights=None, step=step, args=args)
+        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv[mine], step=step,
+                                       **chat_rl.update_settings(args))
         stats.append((all_reduce_sum(totals["loss"]), totals["grad_norm"]))
-    from common import save_checkpoint
+    from checkpoint import save_checkpoint
     save_checkpoint(str(out_dir), 3, model)
     return stats
 
@@ -438,8 +443,8 @@ def test_target_kl_stops_the_updates_once_the_policy_has_moved():
         flags = ["--ppo-epochs", "2", "--minibatches", "2"] + ([] if target is None else ["--target-kl", str(target)])
         with torch.no_grad():
             old = model(b.inputs, b.targets)
-        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv, ref_logp=None, weights=None,
-                                       step=0, args=chat_rl.parser.parse_args(flags))
+        totals = chat_rl.update_policy(model, optimizer, b, old_logp=old, advantages=adv, step=0,
+                                       **chat_rl.update_settings(chat_rl.parser.parse_args(flags)))
         counts[target] = totals["updates"]
     assert counts == {None: 4, 1e-9: 2}
 
@@ -580,8 +585,8 @@ def test_update_applies_the_gradient_of_the_flags_objective(flags):
     args = chat_rl.parser.parse_args(argv)
     assert len(micro_batches(b.lengths, 24)) > 1  # the normalizers must span the passes
     opt = RecordingOptimizer(model)
-    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, ref_logp=ref if kl_kind else None,
-                          weights=None, step=0, args=args)
+    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, ref_logp=ref if kl_kind else None, step=0,
+                          **chat_rl.update_settings(args))
     want = torch.autograd.grad(reference_loss(model(b.inputs, b.targets), old, adv, b.mask, max_len=16,
                                               ref=ref, kl_kind=kl_kind, kl_beta=0.5 if kl_kind else 0.0,
                                               logits=model(b.inputs), entropy_coef=entropy_coef,
@@ -618,7 +623,7 @@ def test_batch_scale_divides_by_the_whole_batchs_std():
 
 
 def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch():
-    from chat_rl import dynamic_sampling
+    from rollout import dynamic_sampling
     from rollout import Rollouts
     # each round's groups (G = 2), named by (round, index); rewards equal within a group = flat
     plan = {0: [(1, 1), (0, 1), (0, 0), (1, 0)], 1: [(0, 0), (1, 0)], 2: [(1, 1)]}

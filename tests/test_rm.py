@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from chat_rm import attach_vocab_head, lm_regularizer, parse_kinds, render_pairs, reward_loss, rm_sequence
 from rewards import last_token_values, load_reward_model, score
-from common import IGNORE, pack_sequences
+from packing import IGNORE, pack_sequences
 from model import GPT, GPTConfig
 from tasks import PREFERENCE_KINDS, preference_pairs
+from checkpoint import load_hf, save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,8 +113,8 @@ def test_lm_regularizer_is_the_chat_models_loss_on_the_chosen_answers(tok, tmp_p
         torch.manual_seed(0)
         lm = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
                            intermediate_size=64, max_seq_len=1024, tie_word_embeddings=tie))
-        lm.save_hf(str(tmp_path / str(tie)), tok)
-        rm = GPT.from_hf(str(tmp_path / str(tie)), head="scalar")
+        save_hf(lm, str(tmp_path / str(tie)), tok)
+        rm = load_hf(str(tmp_path / str(tie)), head="scalar")
         attach_vocab_head(rm, str(tmp_path / str(tie)))
         assert hasattr(rm, "frozen_lm_head") != tie  # tied: the embeddings, trained along; untied: a frozen copy
         if not tie:
@@ -148,8 +149,8 @@ def test_kinds_weight_the_training_mix():
 def tiny_chat(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("chat")
     torch.manual_seed(0)
-    GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
-                  intermediate_size=64, max_seq_len=512)).save_hf(str(path), tok)
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                  intermediate_size=64, max_seq_len=512)), str(path), tok)
     return str(path)
 
 

@@ -10,7 +10,9 @@ import torch
 
 from chat_sample import build_rows, keep_answers, preference_pair, sample_groups, write_jsonl
 from model import GPT, GPTConfig
-from tasks import load_preferences, load_sft, rl_prompts
+from data import load_preferences, load_sft
+from tasks import rl_prompts
+from checkpoint import load_hf, save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,7 +117,7 @@ def test_files_load_in_the_sft_and_dpo_loaders_and_render_the_sampled_tokens(tok
     answer = tok.encode(right[0]) + [tok.eos_id]
     assert ids[:len(prompt) + len(answer)] == prompt + answer
     assert [i for i, m in zip(ids, mask) if m][:len(answer)] == answer
-    from chat_dpo import completion_example
+    from preferences import completion_example
     x, y = completion_example(tok, loaded_pairs[0]["prompt"], loaded_pairs[0]["chosen"], None, 1024)
     assert [t for t in y if t >= 0][:len(answer)] == answer
 
@@ -139,7 +141,7 @@ def test_best_of_n_with_best_keeps_one_per_prompt_even_when_none_is_right(tok, m
 @pytest.fixture(scope="module")
 def tiny_chat(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("chat")
-    tiny_model(tok).save_hf(str(path), tok)
+    save_hf(tiny_model(tok), str(path), tok)
     return str(path)
 
 
@@ -165,9 +167,9 @@ def test_bad_reward_or_data_line_errors_naming_what_and_where(tmp_path):
 def test_two_ranks_write_what_one_rank_writes(tmp_path, tiny_chat):
     # batches of 2 prompts: rank 0 samples prompts 0-1 and 4-5, rank 1 prompts 2-3, each batch with its own seed
     torch.manual_seed(1)
-    rm = GPT.from_hf(tiny_chat, head="scalar")
+    rm = load_hf(tiny_chat, head="scalar")
     torch.nn.init.normal_(rm.score.weight)  # a random scorer: every answer its own reward
-    rm.save_hf(str(tmp_path / "rm"))
+    save_hf(rm, str(tmp_path / "rm"))
     common = ["--init", tiny_chat, "--num-prompts", "6", "--samples", "3", "--max-new-tokens", "6",
               "--batch-size", "2", "--keep", "all", "--reward", f"verifier+0.5*format+rm:{tmp_path / 'rm'}"]
     one = sample_run(tmp_path / "one", *common, "--out", str(tmp_path / "one.jsonl"),

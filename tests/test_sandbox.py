@@ -18,7 +18,7 @@ import rewards
 import sandbox
 from common import UserError
 from rewards import check_ground_truth, last_python_block, verify, verify_batch
-from tasks import _verifier_for, load_rl
+from data import _verifier_for, load_rl
 
 ROOT = os.geteuid() == 0
 

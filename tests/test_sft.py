@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chat_sft import build_rows, render_examples, sft_example, sft_loss
-from common import IGNORE, collate, make_batch, pack_bfd
+from chat_sft import build_rows, render_examples, sft_loss
+from packing import IGNORE, collate, make_batch, pack_bfd, sft_example
 from model import GPT, GPTConfig
 from tasks import sft_conversations
+from checkpoint import load_hf, save_hf
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,7 +146,7 @@ def test_padded_and_packed_batches_give_the_same_gradient(tok):
 @pytest.fixture(scope="module")
 def tiny_base(tok, tmp_path_factory):
     path = tmp_path_factory.mktemp("base")
-    tiny_model(tok).save_hf(str(path), tok)
+    save_hf(tiny_model(tok), str(path), tok)
     return str(path)
 
 
@@ -205,7 +206,7 @@ def test_eval_data_is_the_validation_set(tmp_path, tiny_base, tok):
     sft_run(tmp_path, tiny_base, "--data", str(tmp_path / "train.jsonl"), "--eval-data", str(tmp_path / "val.jsonl"))
     with open(tmp_path / "sft" / "default" / "eval.json") as f:
         reported = json.load(f)["val_loss"]
-    model = GPT.from_hf(str(tmp_path / "sft" / "default" / "checkpoints" / "step_000003")).eval()
+    model = load_hf(str(tmp_path / "sft" / "default" / "checkpoints" / "step_000003")).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for r in val:

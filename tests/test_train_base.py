@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from common import UserError, latest_checkpoint, list_checkpoints, resolve_model_path, save_checkpoint
+from checkpoint import latest_checkpoint, list_checkpoints, load_hf, resolve_model_path, save_checkpoint
+from common import UserError
 from model import GPT, GPTConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +67,7 @@ def test_gradient_accumulation_and_two_ranks_equal_one_big_batch(tmp_path):
         for s in one:
             assert abs(other[s] - one[s]) < 1e-4, (s, one[s], other[s])
     # the weights after 4 steps agree too
-    w = [GPT.from_hf(latest_checkpoint(str(h / "base" / "default"))).state_dict()
+    w = [load_hf(latest_checkpoint(str(h / "base" / "default"))).state_dict()
          for h in (tmp_path / "one", tmp_path / "ddp")]
     for k in w[0]:
         torch.testing.assert_close(w[0][k], w[1][k], atol=1e-4, rtol=1e-3)

@@ -1,0 +1,245 @@
+"""
+Users' data: JSONL files in the forms people export from the Hugging Face hub, each row normalized to the
+dicts the embedded world's generators produce (tasks.py), so a stage never knows which it reads.
+
+    SFT           {"messages": [...], "tools": [...]?}                                     load_sft
+    preferences   {"prompt", "chosen", "rejected"} (strings or message lists; TRL's        load_preferences
+                  implicit prompt too: chosen and rejected sharing their first messages)
+    KTO           {"prompt", "completion", "label"}, or preference pairs                   load_kto
+    RL            {"prompt", "ground_truth", "verifier"}, or verl's rows (data_source      load_rl
+                  naming the verifier, reward_model.ground_truth)
+
+A malformed line is a UserError naming the file and the line ("rl.jsonl:17: missing key 'ground_truth'");
+nothing is skipped silently. An RL row's ground truth is checked against its verifier up front.
+"""
+import json
+import os
+from typing import Callable
+
+from common import UserError
+from rewards import VERIFIERS, check_ground_truth
+from tasks import rl_prompts
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _require(row: dict, *keys: str) -> None:
+    for key in keys:
+        if key not in row:
+            raise ValueError(f"missing key {key!r} (row has {sorted(row)})")
+
+
+def _tool_call(call: object, where: str) -> dict:
+    if isinstance(call, dict) and isinstance(call.get("function"), dict):  # OpenAI form
+        call = call["function"]
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ValueError(f"{where} must be {{'name': str, 'arguments': {{...}}}} or the OpenAI function form")
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ValueError(f"{where}.arguments is a string but not valid JSON") from None
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where}.arguments must be a JSON object")
+    return {"name": call["name"], "arguments": arguments}
+
+
+def _message(m: object, where: str) -> dict:
+    if not isinstance(m, dict):
+        raise ValueError(f"{where} must be an object {{'role': ..., 'content': ...}}, got {type(m).__name__}")
+    if m.get("role") not in ROLES:
+        raise ValueError(f"{where} has unknown role {m.get('role')!r}; use one of {ROLES}")
+    out = {"role": m["role"], "content": m.get("content")}
+    if out["content"] is None and m.get("tool_calls"):  # OpenAI writes null content beside tool calls
+        out["content"] = ""
+    if not isinstance(out["content"], str):
+        raise ValueError(f"{where}.content must be a string, got {type(out['content']).__name__}")
+    if m.get("reasoning_content") is not None:
+        if m["role"] != "assistant" or not isinstance(m["reasoning_content"], str):
+            raise ValueError(f"{where}.reasoning_content must be a string on an assistant message")
+        out["reasoning_content"] = m["reasoning_content"]
+    if m.get("tool_calls"):
+        if m["role"] != "assistant" or not isinstance(m["tool_calls"], list):
+            raise ValueError(f"{where}.tool_calls must be a list on an assistant message")
+        out["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(m["tool_calls"])]
+    return out
+
+
+def _messages(value: object, field: str, role: str) -> list[dict]:
+    """A message list, or a bare string taken as one message of `role`."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{field!r} must be a string or a non-empty list of messages, got {value!r:.80}")
+    return [_message(m, f"{field}[{i}]") for i, m in enumerate(value)]
+
+
+def load_jsonl(path: str, normalize: Callable[[dict], object] = dict) -> list:
+    """One JSON object per line (blank lines allowed), each passed through normalize."""
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file")
+    rows = []
+    with open(path, "rb") as f:  # bytes, so that bad UTF-8 is reported with its line too
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{path}:{lineno}: invalid JSON ({e}); write one JSON object per line") from None
+            try:
+                if not isinstance(row, dict):
+                    raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+                rows.append(normalize(row))
+            except ValueError as e:
+                raise UserError(f"{path}:{lineno}: {e}") from None
+    if not rows:
+        raise UserError(f"{path}: no rows; expected one JSON object per line")
+    return rows
+
+
+def _tools(row: dict) -> dict:
+    """{"tools": [...]} when the row offers tools (JSON schemas, as the chat template lists them), else {}."""
+    if row.get("tools") is None:
+        return {}
+    if not isinstance(row["tools"], list) or not all(isinstance(t, dict) for t in row["tools"]):
+        raise ValueError("'tools' must be a list of JSON schemas")
+    return {"tools": row["tools"]}
+
+
+def sft_row(row: dict) -> dict:
+    _require(row, "messages")
+    if not isinstance(row["messages"], list):
+        raise ValueError("'messages' must be a list of messages")
+    out = {"messages": _messages(row["messages"], "messages", "user")}
+    if not any(m["role"] == "assistant" for m in out["messages"]):
+        raise ValueError("no assistant message, so nothing to train on")
+    return {**out, **_tools(row)}
+
+
+def preference_row(row: dict) -> dict:
+    _require(row, "chosen", "rejected")
+    chosen = _messages(row["chosen"], "chosen", "assistant")
+    rejected = _messages(row["rejected"], "rejected", "assistant")
+    if "prompt" in row:
+        prompt = _messages(row["prompt"], "prompt", "user")
+    else:  # TRL's implicit prompt: chosen and rejected are whole conversations sharing the prompt
+        k = 0
+        while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+            k += 1
+        prompt, chosen, rejected = chosen[:k], chosen[k:], rejected[k:]
+        if not prompt:
+            raise ValueError("no 'prompt' key, and chosen/rejected share no leading messages to take it from")
+    for field, turns in (("chosen", chosen), ("rejected", rejected)):
+        if turns[0]["role"] != "assistant":
+            raise ValueError(f"{field!r} must start with an assistant message after the prompt")
+    if chosen == rejected:
+        raise ValueError("'chosen' and 'rejected' are identical")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **_tools(row)}
+
+
+def kto_rows(row: dict) -> list[dict]:
+    """KTO's single answers: {"prompt", "completion", "label"} (TRL's unpaired form, label true for a good
+    answer), or a preference pair, which gives its chosen answer as good and its rejected one as bad."""
+    if "label" not in row:
+        pair = preference_row(row)
+        return [{"prompt": pair["prompt"], "completion": pair["chosen"], "label": True, **_tools(row)},
+                {"prompt": pair["prompt"], "completion": pair["rejected"], "label": False, **_tools(row)}]
+    _require(row, "prompt", "completion")
+    if not isinstance(row["label"], bool):
+        raise ValueError(f"'label' must be true (a good answer) or false (a bad one), got {row['label']!r}")
+    completion = _messages(row["completion"], "completion", "assistant")
+    if completion[0]["role"] != "assistant":
+        raise ValueError("'completion' must start with an assistant message")
+    return [{"prompt": _messages(row["prompt"], "prompt", "user"), "completion": completion, "label": row["label"],
+             **_tools(row)}]
+
+
+# data sets of programs with tests ("code" also covers codecontests, code_contests, livecodebench, deepcoder)
+_CODE_SOURCES = ("code", "apps", "taco", "mbpp", "humaneval", "primeintellect")
+
+
+def _verifier_for(data_source: object) -> str:
+    """verl names the reward function by the data set: map the usual names onto our verifiers."""
+    source = str(data_source).lower()
+    if source in VERIFIERS:
+        return source
+    if "gsm8k" in source:
+        return "gsm8k"
+    if any(name in source for name in _CODE_SOURCES):
+        return "code"
+    if "math" in source:
+        return "boxed"
+    raise ValueError(f"unknown data_source {data_source!r}; add a 'verifier' key, one of {list(VERIFIERS)}")
+
+
+def rl_row(row: dict) -> dict:
+    _require(row, "prompt")
+    prompt = _messages(row["prompt"], "prompt", "user")
+    if prompt[-1]["role"] == "assistant":
+        raise ValueError("'prompt' ends with an assistant message; it must end where the model answers")
+    if "verifier" in row:
+        verifier = row["verifier"]
+        if not isinstance(verifier, str) or verifier not in VERIFIERS:
+            raise ValueError(f"unknown verifier {verifier!r}; known: {', '.join(VERIFIERS)}")
+    elif "data_source" in row:
+        verifier = _verifier_for(row["data_source"])
+    else:
+        raise ValueError(f"missing key 'verifier' (one of {list(VERIFIERS)}) or verl's 'data_source'")
+    reward_model = row.get("reward_model")
+    if "ground_truth" in row:
+        truth = row["ground_truth"]
+    elif isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        truth = reward_model["ground_truth"]
+    else:
+        raise ValueError("missing key 'ground_truth' (or verl's 'reward_model': {'ground_truth': ...})")
+    if verifier == "code" and isinstance(truth, list) and all(isinstance(t, str) for t in truth):
+        truth = "\n".join(truth)  # a list of asserts (open-instruct's code rows)
+    elif isinstance(truth, (list, dict)):
+        truth = json.dumps(truth)  # the json verifier's required keys; a code row's input/output pairs
+    elif isinstance(truth, (int, float)) and not isinstance(truth, bool):
+        truth = str(truth)
+    if not isinstance(truth, str):
+        raise ValueError(f"ground_truth must be a string or a number, got {type(truth).__name__}")
+    check_ground_truth(verifier, truth)  # ValueError if it cannot be graded against; runs nothing
+    return {"prompt": prompt, "ground_truth": truth, "verifier": verifier}
+
+
+def load_sft(path: str) -> list[dict]:
+    return load_jsonl(path, sft_row)
+
+
+def load_preferences(path: str) -> list[dict]:
+    return load_jsonl(path, preference_row)
+
+
+def load_kto(path: str) -> list[dict]:
+    """Single answers labeled good or bad, from unpaired rows or preference pairs (see kto_rows)."""
+    return [single for singles in load_jsonl(path, kto_rows) for single in singles]
+
+
+def load_rl(path: str) -> list[dict]:
+    return load_jsonl(path, rl_row)
+
+
+# ------------------------------------------------------------------------------------------------
+# Held-out rows
+
+def split_heldout(rows: list, held_out: list | None = None) -> tuple[list, list]:
+    """(training rows, held-out rows): all of `rows` and the --eval-data rows when given, else the file's
+    last 2% (at least one row) held out."""
+    if held_out is not None:
+        return rows, held_out
+    n = max(1, len(rows) // 50)
+    return rows[:-n], rows[-n:]
+
+
+def rl_rows(data, eval_data, *, eval_problems, num_prompts, seed) -> tuple[list, list]:
+    """The prompts of a sampling stage (RL, PPO, distillation) and its held-out problems (at most
+    eval_problems): --data's rows and --eval-data's (or --data's last 2%), else the embedded world's
+    training and test problems."""
+    if not data:
+        return rl_prompts("train", num_prompts, seed=seed), rl_prompts("test", eval_problems, seed=seed)
+    rows, eval_rows = split_heldout(load_rl(data), load_rl(eval_data) if eval_data else None)
+    return rows, eval_rows[:eval_problems]

@@ -1,0 +1,112 @@
+"""
+Held-out evaluation, the same in every stage: sample answers to held-out problems with the engine and grade
+each with its row's verifier (on the answer: the text after the last </think>).
+
+    pass@k       unbiased estimate from n samples per prompt (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
+    format_rate  completions with exactly one parseable final answer (`#### N` for the default world)
+    stop_rate    completions that ended with <|im_end|> before the length limit
+    mean_length  completion tokens
+
+Under torchrun every rank evaluates its share of the problems and the counts are summed: no rank waits
+alone inside a collective while another evaluates. chat_eval.py is the command line around these.
+"""
+import time
+from math import comb
+
+import torch
+
+from common import all_gather_objects, all_reduce_dict, dist_info, print0, unwrap
+from engine import Engine
+from rewards import answer_text, has_format, verify_batch
+from tasks import CALCULATOR_SCHEMA, TOOLS
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples (drawn from n, of which c are correct) is correct.
+    With p = c/n and n large this is 1 - (1 - p)^k: p = 0.3 -> 0.3000, 0.7599, 0.9424, 0.9967 for k = 1, 4, 8, 16."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+@torch.no_grad()
+def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperature=0.0, top_k=None, top_p=None,
+                  seed=0, use_tools=False, batch_size=64, per_prompt=False):
+    """Sample and grade; returns metrics (pass@1..num_samples, format_rate, stop_rate, mean_length), and
+    with per_prompt=True also the number of correct samples of each row (for paired comparisons).
+    use_tools offers the calculator (its schema in the prompt, executed by the engine mid-rollout) and adds
+    tool_use_rate (answers that called it) and tool_errors (its error results per answer).
+    Under torchrun every rank evaluates its share of the rows (rows[rank::world]) and the counts are
+    summed, so no rank waits alone inside a collective while another evaluates; every rank must call it."""
+    info = dist_info()
+    schemas = [CALCULATOR_SCHEMA] if use_tools else None
+    engine = Engine(unwrap(model), tok, tools=TOOLS if use_tools else None)
+    mine = list(range(info.rank, len(rows), info.world_size))
+    correct_of, totals = {}, {"format": 0.0, "stop": 0.0, "length": 0.0, "tool_use": 0.0, "tool_errors": 0.0}
+    with engine.prepared():  # the sampler's weights, gathered once (a collective under FSDP2)
+        for i in range(0, len(mine), batch_size):
+            chunk = [rows[j] for j in mine[i:i + batch_size]]
+            prompts = [tok.render_for_completion(r["prompt"], tools=r.get("tools") or schemas) for r in chunk]
+            outs = engine.generate(prompts, num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_k=top_k, top_p=top_p, seed=seed + mine[i])
+            answers = [answer_text(tok.decode(o.tokens)) for o in outs]
+            row_of = [chunk[k // num_samples] for k in range(len(outs))]
+            scores, _, _ = verify_batch([r["verifier"] for r in row_of], answers,  # code rows run in parallel
+                                        [r["ground_truth"] for r in row_of])
+            for j in range(len(chunk)):
+                correct_of[mine[i + j]] = sum(s == 1.0 for s in scores[j * num_samples:(j + 1) * num_samples])
+            for r, o, answer in zip(row_of, outs, answers):
+                totals["format"] += has_format(r["verifier"], answer)
+                totals["stop"] += o.finish_reason == "stop"
+                totals["length"] += len(o.tokens)
+                totals["tool_use"] += o.tool_calls > 0
+                totals["tool_errors"] += o.tool_errors
+    pass_sums = {f"pass@{k}": sum(pass_at_k(num_samples, c, k) for c in correct_of.values())
+                 for k in range(1, num_samples + 1)}
+    sums = all_reduce_dict({**pass_sums, **totals}, keys=[*pass_sums, *totals])
+    n_total = len(rows) * num_samples
+    metrics = {k: sums[k] / len(rows) for k in pass_sums}
+    metrics.update(format_rate=sums["format"] / n_total, stop_rate=sums["stop"] / n_total,
+                   mean_length=sums["length"] / n_total)
+    if use_tools:  # answers that called the calculator, and its error results per answer
+        metrics.update(tool_use_rate=sums["tool_use"] / n_total, tool_errors=sums["tool_errors"] / n_total)
+    if not per_prompt:
+        return metrics
+    return metrics, _in_row_order(correct_of, len(rows))
+
+
+def heldout_scores(model, tok, rows, *, max_new_tokens, samples=4, temperature=1.0, top_k=None, top_p=None,
+                   seed=0, use_tools=False, label=None) -> dict:
+    """What a stage reports on held-out problems: greedy pass@1, format and stop rates, and pass@1..samples
+    at `temperature` (keys suffixed _t1 at T=1); with use_tools, each one's tool-use rate (tool_use_rate,
+    tool_use_rate_t1) and the greedy answers' tool errors. Every stage that samples reports the same keys
+    the same way, so report.json compares them (SFT, RL and PPO with the calculator offered alike).
+    label: print the scores on one line after it (e.g. "eval @ step 20"), with the seconds they took."""
+    t0 = time.time()
+    greedy = evaluate_chat(model, tok, rows, max_new_tokens=max_new_tokens, use_tools=use_tools)
+    scores = {k: greedy[k] for k in ("pass@1", "format_rate", "stop_rate", "tool_use_rate", "tool_errors") if k in greedy}
+    if samples:
+        sampled = evaluate_chat(model, tok, rows, num_samples=samples, max_new_tokens=max_new_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, use_tools=use_tools)
+        scores.update({f"{k}_t{temperature:g}": v for k, v in sampled.items() if k.startswith("pass@") or k == "tool_use_rate"})
+    if label:
+        print0(f"{label} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    return scores
+
+
+def _in_row_order(correct_of, n):
+    """Every rank's {row index: correct count} merged into one list in row order."""
+    merged = {}
+    for part in all_gather_objects(correct_of):
+        merged.update(part)
+    return [merged[i] for i in range(n)]
+
+
+def paired_change(before: list, after: list) -> tuple[float, float]:
+    """Mean change of a per-problem score between two evaluations of the same problems, and its standard
+    error. Pairing cancels the problems' own difficulty: on 500 problems where two models agree on most
+    answers the error is ~0.01, where two independent pass@1 estimates would each carry ~0.022."""
+    if len(before) != len(after) or len(before) < 2:
+        raise ValueError("paired_change needs two equally long lists of at least 2 scores")
+    d = torch.tensor(after, dtype=torch.float64) - torch.tensor(before, dtype=torch.float64)
+    return d.mean().item(), (d.std() / len(d) ** 0.5).item()
