@@ -273,7 +273,7 @@ def main():
         grad_checkpointing=args.grad_checkpointing), device)
     actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
                         fsdp=args.fsdp)
-    # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (see README)
+    # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (docs/lora.md)
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp,
                                    lora=lora_options(args, resume=bool(critic_ckpt))), fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing

@@ -40,7 +40,7 @@ is one more tensor source (AdaptedTensors), whose rows are W[rows] + (lora_alpha
 float32, cast to the base's dtype when written (a bfloat16 sum would drop every update below half a ulp of
 W). An adapter trained on an unmerged adapter (its base_model_name_or_path is an adapter folder) merges the
 whole chain. vLLM serves the result as any model; or serves the adapter itself on the base with
---enable-lora (see the README).
+--enable-lora (docs/lora.md).
 """
 import argparse
 import json

@@ -244,7 +244,7 @@ def test_no_network():
     try:
         result = sandbox.run(program, sandbox.parse_ground_truth(SIMPLE), timeout=3.0)
         if not result["isolation"]["network_namespace"]:
-            pytest.skip("no network namespace on this kernel: the README says what remains")
+            pytest.skip("no network namespace on this kernel: docs/graders.md says what remains")
         assert result["status"] == "fail"
         with pytest.raises(socket.timeout):
             server.accept()
