@@ -227,7 +227,7 @@ WORKSHEET_SHARE, WORKSHEET_PROBLEMS = 0.3, (2, 4)  # of the pretraining document
 
 def pretrain_text(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY) -> list[str]:
     """n plain documents. Most are one problem, "question\\nsolution": the base model learns the solution
-    format from these. WORKSHEET_SHARE of them are a numbered worksheet of 2-5 problems ("Problem 1.\\n
+    format from these. WORKSHEET_SHARE of them are a numbered worksheet of 2-4 problems ("Problem 1.\\n
     question\\nsolution\\n\\nProblem 2.\\n..."), 150-450 tokens: a chat that offers the calculator is that long
     (its tools block alone is ~150 tokens), and a model that never saw such distances in pretraining writes
     garbled tool calls after SFT. A lone problem is never numbered, so the base still stops after one."""
