@@ -23,12 +23,13 @@ import torch
 
 import memory
 from checkpoint import load_model, resume_checkpoint, resume_step, save_checkpoint
-from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
-                    check_finite, dist_info, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
+                    check_finite, dist_info, fit_warmup, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
                     peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
 from engine import Engine
+from evaluation import scores_line
 from model import GPT, GPTConfig
-from packing import IGNORE, epoch_batch, heldout_loss, make_batch, pack_bfd
+from packing import IGNORE, check_batch_fits, epoch_batch, heldout_loss, make_batch, pack_bfd
 from rewards import has_format, verify
 from tasks import generate_problems, pretrain_text, sft_conversations
 from tokenizer import Tokenizer, render_text
@@ -50,7 +51,7 @@ parser.add_argument("--batch-size", type=int, default=8, help="rows per optimize
 parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass (gradient accumulation above it)")
 parser.add_argument("--steps", type=int, default=600)
 parser.add_argument("--lr", type=float, default=3e-3)
-parser.add_argument("--warmup-steps", type=int, default=30)
+parser.add_argument("--warmup-steps", type=int, default=Default(30), help="at most a tenth of the run unless given")
 parser.add_argument("--weight-decay", type=float, default=0.1)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--compile", action="store_true", help="torch.compile the model (+~20%% after a ~30 s compile)")
@@ -132,6 +133,7 @@ def main():
     if args.batch_size % (args.device_batch_size * dist.world_size):
         raise UserError(f"--batch-size {args.batch_size} must be a multiple of --device-batch-size x ranks "
                         f"({args.device_batch_size} x {dist.world_size})")
+    check_batch_fits(args.batch_size, len(train_rows), "packed rows")
     accum = args.batch_size // (args.device_batch_size * dist.world_size)
     config = GPTConfig(vocab_size=tok.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
                        n_embd=args.n_embd, head_dim=args.n_embd // args.n_head, intermediate_size=4 * args.n_embd,
@@ -152,6 +154,7 @@ def main():
     print0(f"model: {unwrap(model).num_params():,} parameters, {config}")
     fwd = torch.compile(model) if args.compile else model
 
+    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="base")
     t_last, tokens_since = time.time(), 0
     for step in bar:
@@ -192,7 +195,7 @@ def main():
         scores, examples = eval_samples(model, tok, args.eval_problems, args.seed)
         for q, t in examples:
             print0(f"--- sample ---\n{q}\n{t}")
-        print0(f"held-out ({args.eval_problems} problems, greedy): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        print0("held-out problems, greedy: " + scores_line(scores, args.eval_problems))
         log.log(args.steps, **{f"final/{k}": v for k, v in scores.items()})
         write_eval(out_dir, scores)
     log.close()

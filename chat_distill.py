@@ -46,9 +46,10 @@ import torch
 import memory
 from chat_rl import update_policy
 from checkpoint import load_config, load_model, load_training_state, resolve_model_path, resume_checkpoint, save_checkpoint
-from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, compute_dtype,
-                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
+                    compute_dtype, fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
+                    write_eval)
 from data import rl_rows
 from engine import Engine
 from evaluation import heldout_scores
@@ -86,7 +87,7 @@ parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each 
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included)")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=3)
+parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=10)
 parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
@@ -247,6 +248,7 @@ def main():
         final_scores = evaluate(model, 0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()},
                 **{f"teacher/{k}": v for k, v in teacher_scores.items()})
+    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="distill")
     for step in bar:
         t_step = time.time()

@@ -33,16 +33,16 @@ import torch
 import torch.nn.functional as F
 
 import memory
-from checkpoint import (load_config, load_model, reference_model, resolve_model_path,
-                        resume_checkpoint, resume_step, save_checkpoint)
-from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, idle_pass, learning_rate, lr_at,
-                    make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main,
-                    set_lr, start_run, unwrap, wrap_model, write_eval)
+from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_step,
+                        save_checkpoint)
+from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, fit_warmup, idle_pass, learning_rate,
+                    lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress,
+                    run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
 from data import load_preferences, split_heldout
 from decontaminate import overlap_warning
-from evaluation import evaluate_chat
+from evaluation import evaluate_chat, scores_line
 from lora import lora_options
-from packing import IGNORE, epoch_batch, micro_batches
+from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches
 from preferences import (add_preference_flags, both, completion_logps, evaluate_pairs, pair_items, pass_before_after,
                          reference_logps, reference_of, sampled_pairs)
 from tasks import preference_pairs, rl_prompts
@@ -208,7 +208,7 @@ def main():
     if eval_rows and not ckpt:  # the SFT start, measured the same way as the end (every rank its share)
         start = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, use_tools=args.tools,
                               per_prompt=True)
-        print0("start, held-out greedy: " + "  ".join(f"{k} {v:.3f}" for k, v in start[0].items()))
+        print0("start, held-out greedy: " + scores_line(start[0], len(eval_rows)))
     if ckpt:
         model = wrap_model(load_model(ckpt, fsdp=args.fsdp, lora=lora_options(args, resume=True)), fsdp=args.fsdp)
         if ref_model is not None and args.lora_rank:  # the reloaded policy, with its adapters off
@@ -218,8 +218,10 @@ def main():
     per_step = args.batch_size
     if per_step < dist.world_size:
         raise UserError(f"--batch-size {per_step} must be at least the number of ranks ({dist.world_size})")
+    check_batch_fits(per_step, len(items), "training pairs")
     steps_per_epoch = math.ceil(len(items) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
+    args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
     args.lr = learning_rate(args.lr, "dpo", unwrap(model))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = resume_step(ckpt, optimizer, model)
@@ -278,11 +280,12 @@ def main():
 
     # held-out, every rank its share: the implicit-reward metrics, and greedy pass@1 before and after
     ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
+    print0("held-out pairs: " + scores_line(ev, len(val_items)))
     if eval_rows:
-        ev.update(pass_before_after(model, tok, eval_rows, start, max_new_tokens=args.max_new_tokens, tools=args.tools))
-    ev["peak_memory_mb"] = peak_memory_mb(device)
+        scores = pass_before_after(model, tok, eval_rows, start, max_new_tokens=args.max_new_tokens, tools=args.tools)
+        print0("held-out problems: " + scores_line(scores, len(eval_rows)))
+        ev.update(scores)
     ev["ref"] = "none" if orpo else args.ref
-    print0("held-out: " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in ev.items()))
     log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     write_eval(out_dir, ev)
     log.close()

@@ -60,9 +60,10 @@ def report(run: str = "default", runs: list[str] | None = None, out: str | None 
         json.dump(rep, f, indent=2)
     cols = ["pass@1", "pass@1_t1", "tool_use_rate", "format_rate", "stop_rate", "pair_accuracy"]
     width = max([8, *(len(name) + 2 for name in rep)])
-    print(f"{'stage' if not runs else 'run':{width}s}" + "".join(f"{c:>15s}" for c in cols))
-    for name, m in rep.items():
-        print(f"{name:{width}s}" + "".join(f"{m[c]:15.3f}" if c in m else f"{'-':>15s}" for c in cols))
+    print(f"{'stage' if not runs else 'run':{width}s}" + "".join(f"{c:>15s}" for c in cols) + "  from")
+    for name, m in rep.items():  # from: the run and the checkpoint step each row measures (eval.json's head)
+        origin = f"{m['run']} @ step {m['step']}" if "run" in m else "?"
+        print(f"{name:{width}s}" + "".join(f"{m[c]:15.3f}" if c in m else f"{'-':>15s}" for c in cols) + f"  {origin}")
     print(f"report -> {out}")
     return rep
 

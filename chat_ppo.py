@@ -40,9 +40,10 @@ import torch
 import memory
 from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
                         resume_checkpoint, save_checkpoint)
-from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, global_mean_var,
-                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
+                    fit_warmup, global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home,
+                    no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap,
+                    wrap_model, write_eval)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
@@ -83,7 +84,7 @@ parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps 
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
 parser.add_argument("--lr", type=float, default=None, help="actor learning rate (default: 1e-4 on the embedded world, 1e-6 for a real model)")
 parser.add_argument("--critic-lr", type=float, default=None, help="default: 5e-4 on the embedded world, 1e-5 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=3)
+parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
 parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train only the critic for the first N steps: a critic "
                     "started from the RM speaks the RM's scale, not the reward's, and its first advantages are noise")
 parser.add_argument("--grad-clip", type=float, default=1.0)
@@ -309,6 +310,7 @@ def main():
     if start_step == 0 and eval_rows:  # every rank evaluates its share
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
+    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="ppo")
     for step in bar:
         t_step = time.time()

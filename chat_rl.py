@@ -51,11 +51,12 @@ import time
 import torch
 
 import memory
-from checkpoint import load_config, load_model, load_training_state, reference_model, resolve_model_path, \
-    resume_checkpoint, save_checkpoint
-from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, global_mean_var,
-                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
+                        resume_checkpoint, save_checkpoint)
+from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
+                    fit_warmup, global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home,
+                    no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap,
+                    wrap_model, write_eval)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
@@ -101,7 +102,7 @@ parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each 
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=3)
+parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=20)
@@ -311,6 +312,17 @@ def update_settings(args) -> dict:
                 grad_clip=args.grad_clip, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
 
 
+IDLE_PATIENCE = 3  # steps in a row with no gradient before the run says so
+
+
+def idle_warning(steps: int, ungradable_frac: float) -> str:
+    """What a run that learns nothing is told: every group's answers scored alike (so every advantage is 0)."""
+    return (f"warning: {steps} steps in a row learned nothing: in every group all answers got the same reward, so "
+            f"every advantage is 0 and so is the gradient. {ungradable_frac:.0%} of the answers had no final answer "
+            f"the verifier can read (count/ungradable). Try: SFT on answers in the verifier's format first, "
+            f"--reward verifier+0.1*format, a larger --group-size or --temperature, or easier prompts")
+
+
 def main():
     args = parser.parse_args()
     if args.dual_clip is not None and args.loss == "cispo":
@@ -391,6 +403,8 @@ def main():
     if start_step == 0 and eval_rows:  # every rank evaluates its share
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
+    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
+    idle_steps = 0
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="rl")
     for step in bar:
         t_step = time.time()
@@ -450,6 +464,10 @@ def main():
         }
         if ref_model is not None:
             metrics["kl"] = all_reduce_sum(totals["kl"]) / n_tok_updates
+        idle_steps = idle_steps + 1 if metrics["flat_group_frac"] == 1.0 or metrics["grad_norm"] == 0.0 else 0
+        metrics["idle_steps"] = idle_steps  # consecutive steps without a gradient
+        if idle_steps == IDLE_PATIENCE:
+            print0(idle_warning(idle_steps, metrics.get("count/ungradable", 0.0) / s["answers"]))
         # rank 0's clock decides for all, so that every rank stops at the same step
         over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget

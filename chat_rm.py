@@ -29,16 +29,17 @@ import torch
 import torch.nn.functional as F
 
 import memory
-from checkpoint import (load_config, load_lm_head, load_model, resolve_model_path,
-                        resume_checkpoint, resume_step, save_checkpoint)
-from common import (UserError, add_run_flags, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
-                    check_finite, dist_info, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
-                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
-                    write_eval)
+from checkpoint import (load_config, load_lm_head, load_model, resolve_model_path, resume_checkpoint, resume_step,
+                        save_checkpoint)
+from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
+                    check_finite, dist_info, fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home,
+                    no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap,
+                    wrap_model, write_eval)
 from data import load_preferences, split_heldout
 from decontaminate import overlap_warning
+from evaluation import scores_line
 from lora import add_lora_flags, lora_options
-from packing import IGNORE, epoch_batch, micro_batches, pack_sequences
+from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches, pack_sequences
 from rewards import score
 from tasks import preference_pairs
 from tokenizer import Tokenizer
@@ -57,7 +58,7 @@ parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 on the embedded world, 1e-5 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=5)
+parser.add_argument("--warmup-steps", type=int, default=Default(5), help="at most a tenth of the run unless given")
 parser.add_argument("--final-lr-ratio", type=float, default=0.1)
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
@@ -229,8 +230,10 @@ def main():
     per_step = args.batch_size
     if per_step < dist.world_size:
         raise UserError(f"--batch-size {per_step} must be at least the number of ranks ({dist.world_size})")
+    check_batch_fits(per_step, len(train_pairs), "training pairs")
     steps_per_epoch = math.ceil(len(train_pairs) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
+    args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], micro_batch_tokens=args.micro_batch_tokens,
@@ -305,7 +308,7 @@ def main():
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
     ev = evaluate_pairs(model, val_pairs)  # every rank its share
-    print0(f"held-out ({len(val_pairs)} pairs): " + "  ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+    print0("held-out pairs: " + scores_line(ev, len(val_pairs)))
     log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     write_eval(out_dir, ev)
     log.close()

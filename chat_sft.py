@@ -27,14 +27,14 @@ import torch
 
 import memory
 from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_step, save_checkpoint
-from common import (UserError, add_run_flags, all_reduce_sum, autocast, check_finite, learning_rate, lr_at,
-                    make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress,
-                    run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from common import (Default, UserError, add_run_flags, all_reduce_sum, autocast, check_finite, fit_warmup,
+                    learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb,
+                    print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
 from data import load_sft, split_heldout
 from decontaminate import overlap_warning
-from evaluation import heldout_scores
+from evaluation import heldout_scores, scores_line
 from lora import add_lora_flags, lora_options
-from packing import IGNORE, epoch_batch, heldout_loss, make_batch, pack_bfd, sft_example
+from packing import IGNORE, check_batch_fits, epoch_batch, heldout_loss, make_batch, pack_bfd, sft_example
 from tasks import rl_prompts, sft_conversations
 from tokenizer import Tokenizer
 
@@ -52,7 +52,7 @@ parser.add_argument("--device-batch-size", type=int, default=8, help="rows per f
 parser.add_argument("--epochs", type=float, default=2.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-3 on the embedded world, 1e-5 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=10)
+parser.add_argument("--warmup-steps", type=int, default=Default(10), help="at most a tenth of the run unless given")
 parser.add_argument("--final-lr-ratio", type=float, default=0.1, help="cosine decay to this fraction of --lr")
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
@@ -149,8 +149,10 @@ def main():
         raise UserError(f"--batch-size {per_step} must be a multiple of --device-batch-size x ranks "
                         f"({args.device_batch_size} x {dist.world_size})")
     accum = per_step // (args.device_batch_size * dist.world_size)
+    check_batch_fits(per_step, len(rows), "packed rows" if args.packing != "none" else "conversations")
     steps_per_epoch = math.ceil(len(rows) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
+    args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], world_size=dist.world_size,
@@ -210,7 +212,7 @@ def main():
     scores = heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
                             use_tools=args.tools) if eval_rows else {}
     scores["val_loss"] = heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len, args.packing, device)
-    print0("held-out: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    print0("held-out: " + scores_line(scores, len(eval_rows)))
     log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
     write_eval(out_dir, scores)
     log.close()

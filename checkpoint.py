@@ -433,6 +433,7 @@ def resolve_model_path(path: str) -> str:
     if ckpt is None:
         raise UserError(f"{path}: neither a model folder (config.json) nor a run directory with checkpoints; "
                         f"run the previous stage first or pass --init PATH")
+    print0(f"{path}: loading its latest checkpoint, {os.path.basename(ckpt)}")
     return ckpt
 
 

@@ -15,7 +15,9 @@ import gc
 import json
 import os
 import random
+import re
 import resource
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -69,6 +71,12 @@ class DistInfo:
 _DIST = DistInfo()
 
 
+def usable_cpus() -> int:
+    """The cores this process may run on: its affinity mask (taskset, cgroup cpusets), which os.cpu_count()
+    ignores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def init_dist(device: str = "auto", timeout_minutes: float = 30) -> DistInfo:
     """Read torchrun's RANK / WORLD_SIZE (a single process when absent): gloo on CPU, nccl on CUDA.
     On CPU each rank gets cores / local ranks threads: oversubscribed ranks run several times slower.
@@ -81,13 +89,19 @@ def init_dist(device: str = "auto", timeout_minutes: float = 30) -> DistInfo:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            raise UserError(f"--device cuda: this torch ({torch.__version__}) is a CPU build, without CUDA; install the "
+                            f"CUDA build of the same version (pip install torch=={torch.__version__.split('+')[0]} "
+                            f"--index-url https://download.pytorch.org/whl/cu126, for CUDA 12.6) or use --device cpu")
+        raise UserError("--device cuda: no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use "
+                        "--device cpu")
     if dev.type == "cuda":
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     if world > 1:
-        if dev.type == "cpu":
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        if dev.type == "cpu":  # the cores this process may use, shared among the ranks of this machine
+            torch.set_num_threads(max(1, usable_cpus() // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
         if not dist.is_initialized():
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(minutes=timeout_minutes))
@@ -293,12 +307,6 @@ def nanopost_home() -> str:
     return os.environ.get("NANOPOST_HOME") or os.path.join(REPO, "out")
 
 
-def run_dir(stage: str, run: str) -> str:
-    path = os.path.join(nanopost_home(), stage, run)
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
 def print_config(args, title: str):
     print0(f"== {title} ==")
     for k, v in sorted(vars(args).items()):
@@ -311,6 +319,8 @@ def add_run_flags(parser, stage: str):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="clear the run directory first, when it holds another "
+                        "run (without it a fresh run refuses to mix with an old one's checkpoints)")
     parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project "
                         "(WANDB_MODE=offline: no network)")
     parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
@@ -326,12 +336,42 @@ def start_run(args, stage: str, title: str):
     info = init_dist(args.device, args.dist_timeout)
     seed_everything(args.seed, info.rank)
     print_config(args, title)
-    out_dir = run_dir(stage, args.run_name)
+    out_dir = os.path.join(nanopost_home(), stage, args.run_name)
+    claim_run_dir(out_dir, args, info)
     log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb,
                         run_name=f"{stage}/{args.run_name}", config=vars(args))
-    if not args.resume and info.is_main and os.path.exists(log.path):
-        os.remove(log.path)
     return info, out_dir, log
+
+
+def claim_run_dir(path: str, args, info):
+    """A run directory belongs to one run. A fresh run (no --resume) refuses a directory that holds another
+    run's checkpoints, which a later --init or --resume would mistake for its own; --overwrite clears it
+    first (rank 0, the other ranks wait), unless one of the run's inputs lies inside it. A fresh run's
+    leftover metrics.jsonl and eval.json are removed, so none of an old run's figures pass for its own."""
+    held = sorted(d for d in os.listdir(os.path.join(path, "checkpoints")) if d.startswith("step_")) \
+        if os.path.isdir(os.path.join(path, "checkpoints")) else []
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in its directory and --overwrite clears it: pass one of them")
+    barrier()  # every rank has looked before rank 0 changes anything
+    if held and not args.resume and not args.overwrite:
+        raise UserError(f"{path} holds another run's checkpoints (up to {held[-1]}): continue it with --resume, "
+                        f"start a new one with --run-name NAME, or replace it with --overwrite")
+    if args.overwrite and os.path.isdir(path):
+        inputs = [getattr(args, k, None) for k in ("init", "critic_init", "teacher", "data", "eval_data")]
+        inputs += re.findall(r"(?:rm|judge):([^+]+)", getattr(args, "reward", None) or "")
+        inside = [p for p in inputs if p and (os.path.realpath(p) + os.sep).startswith(os.path.realpath(path) + os.sep)]
+        if inside:
+            raise UserError(f"--overwrite would delete {inside[0]}, an input of this run, with {path}; "
+                            f"copy it elsewhere or pick another --run-name")
+        if info.is_main:
+            shutil.rmtree(path)
+            print0(f"--overwrite: replaced {path}" + (f" (it held checkpoints up to {held[-1]})" if held else ""))
+    elif not args.resume and info.is_main:
+        for name in ("metrics.jsonl", "eval.json"):
+            if os.path.exists(os.path.join(path, name)):
+                os.remove(os.path.join(path, name))
+    barrier()
+    os.makedirs(path, exist_ok=True)
 
 
 class MetricsLogger:
@@ -375,12 +415,16 @@ class MetricsLogger:
 
 
 def write_eval(run_path: str, metrics: dict):
-    """A stage's held-out metrics, which --report gathers: eval.json, written by rank 0, atomically."""
+    """A stage's held-out metrics, which --report gathers: eval.json, written by rank 0, atomically, headed by
+    the run (relative to $NANOPOST_HOME) and the step of its latest checkpoint, the model they measure."""
     if not dist_info().is_main:
         return
     path = os.path.join(run_path, "eval.json")
+    steps = [int(m.group(1)) for d in os.listdir(os.path.join(run_path, "checkpoints"))
+             if (m := re.fullmatch(r"step_(\d+)", d))] if os.path.isdir(os.path.join(run_path, "checkpoints")) else []
+    head = {"run": os.path.relpath(run_path, nanopost_home()), "step": max(steps, default=None)}
     with open(path + ".tmp", "w") as f:
-        json.dump({k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}, f, indent=2)
+        json.dump({**head, **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}}, f, indent=2)
     os.replace(path + ".tmp", path)
 
 
@@ -450,6 +494,24 @@ def learning_rate(flag, stage, model, name="--lr"):
     print0(f"{name} {lr:g}: the {'real-model' if lr == real else 'embedded-world'} default for {stage} "
            f"({model.config.vocab_size:,}-token vocabulary); pass {name} to choose")
     return lr
+
+
+class Default(int):
+    """An int flag's default, told apart from the same number typed on the command line (see fit_warmup)."""
+
+
+def fit_warmup(warmup_steps: int, total_steps: int) -> int:
+    """--warmup-steps that fits the run, so that its learning rate reaches --lr: a default (Default) longer than a
+    tenth of the run is cut to that tenth; a value the user gave is kept unless it is longer than the run."""
+    if isinstance(warmup_steps, Default) and warmup_steps > total_steps // 10:
+        fitted = max(1, total_steps // 10)
+    elif warmup_steps > total_steps:
+        fitted = max(1, total_steps // 10)
+    else:
+        return int(warmup_steps)
+    print0(f"--warmup-steps {warmup_steps} does not fit a run of {total_steps} steps (its lr would not reach --lr "
+           f"in time): warming up for {fitted}")
+    return fitted
 
 
 def lr_at(step, total_steps, base_lr, warmup_steps=0, final_ratio=0.1):

@@ -19,7 +19,7 @@ import re
 import time
 
 from common import UserError, run_main
-from data import preference_row, rl_row, sft_row, kto_rows, load_jsonl
+from data import kto_rows, load_jsonl, preference_row, rl_row, sft_row
 
 _WORD = re.compile(r"[^\W_]+")  # letters and digits of any script; punctuation, symbols, spaces and _ split
 

@@ -10,6 +10,7 @@ each with its row's verifier (on the answer: the text after the last </think>).
 Under torchrun every rank evaluates its share of the problems and the counts are summed: no rank waits
 alone inside a collective while another evaluates. chat_eval.py is the command line around these.
 """
+import math
 import time
 from math import comb
 
@@ -75,6 +76,26 @@ def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperatu
     return metrics, _in_row_order(correct_of, len(rows))
 
 
+MIN_HELDOUT = 20  # below it a held-out rate's standard error passes ~0.1: the figure says little
+
+
+def scores_line(scores: dict, n: int) -> str:
+    """Held-out scores for a log line: each rate (pass@k, *_rate, *accuracy*) with its binomial standard error
+    sqrt(p (1 - p) / n), then n, and a warning when n is below MIN_HELDOUT.
+    Example: ({"pass@1": 0.475, "val_loss": 0.0886}, 200) -> "pass@1 0.475±0.035  val_loss 0.089  (n 200)"."""
+    parts = []
+    for k, v in scores.items():
+        # a per-kind accuracy (accuracy/<kind>) has fewer rows than n: no error is given for it
+        is_rate = ("pass@" in k or k.endswith("_rate") or "accuracy" in k) and "change" not in k and "accuracy/" not in k
+        if isinstance(v, float) and is_rate and 0 <= v <= 1 and n > 0:
+            parts.append(f"{k} {v:.3f}±{math.sqrt(v * (1 - v) / n):.3f}")
+        else:
+            parts.append(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}")
+    note = "" if n == 0 else f"  (n {n})" if n >= MIN_HELDOUT else \
+        f"  (n {n}: too few for these figures to mean much; hold out {MIN_HELDOUT}+ rows with --eval-data)"
+    return "  ".join(parts) + note
+
+
 def heldout_scores(model, tok, rows, *, max_new_tokens, samples=4, temperature=1.0, top_k=None, top_p=None,
                    seed=0, use_tools=False, label=None) -> dict:
     """What a stage reports on held-out problems: greedy pass@1, format and stop rates, and pass@1..samples
@@ -90,7 +111,7 @@ def heldout_scores(model, tok, rows, *, max_new_tokens, samples=4, temperature=1
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, use_tools=use_tools)
         scores.update({f"{k}_t{temperature:g}": v for k, v in sampled.items() if k.startswith("pass@") or k == "tool_use_rate"})
     if label:
-        print0(f"{label} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+        print0(f"{label} ({time.time() - t0:.0f}s): " + scores_line(scores, len(rows)))
     return scores
 
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from common import all_reduce_dict, all_reduce_max, autocast, dist_info, idle_pass
+from common import UserError, all_reduce_dict, all_reduce_max, autocast, dist_info, idle_pass
 
 IGNORE = -100  # the target of a position that is not trained
 
@@ -145,6 +145,13 @@ def heldout_loss(model, examples, rows, pad_id, seq_len, packing, device, batch_
     model.train()
     sums = all_reduce_dict({"total": total, "count": count}, keys=["total", "count"])
     return sums["total"] / max(1, sums["count"])
+
+
+def check_batch_fits(batch_size: int, num_rows: int, what: str):
+    """A global batch larger than the data would repeat rows within a step (and call that one epoch)."""
+    if batch_size > num_rows:
+        raise UserError(f"--batch-size {batch_size} is larger than the data: {num_rows} {what}; every step would "
+                        f"train some of them twice. Use --batch-size {num_rows} or less, or more data")
 
 
 def epoch_batch(num_rows, step, batch_size, seed):

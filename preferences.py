@@ -9,7 +9,7 @@ tokenizer.render_conversation, graded where the mask is 1 after the prompt (the 
 """
 import torch
 
-from common import (UserError, add_run_flags, all_gather_objects, all_reduce_max, all_reduce_sum, autocast,
+from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_max, all_reduce_sum, autocast,
                     dist_info, idle_pass, print0, unwrap)
 from engine import Engine
 from evaluation import evaluate_chat, paired_change
@@ -34,7 +34,7 @@ def add_preference_flags(parser, stage):
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass")
     parser.add_argument("--epochs", type=float, default=1.0)
     parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
-    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
     parser.add_argument("--final-lr-ratio", type=float, default=0.1)
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--grad-clip", type=float, default=1.0)

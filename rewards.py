@@ -419,6 +419,8 @@ class Grader:
         """rows[i], prompts[i] (token ids) and completions[i] (engine.Completion) describe answer i."""
         texts = [answer_text(self.tok.decode(c.tokens)) for c in completions]
         grades = Grades(total=torch.zeros(len(completions)))
+        # answers with no final answer their verifier can read: a model that never writes one learns nothing
+        grades.counts["ungradable"] = float(sum(not has_format(r["verifier"], t) for r, t in zip(rows, texts)))
         for weight, name in self.terms:
             if name == "verifier":
                 part, errors, counts = verify_batch([r["verifier"] for r in rows], texts, [r["ground_truth"] for r in rows])

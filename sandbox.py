@@ -726,7 +726,7 @@ def run_batch(jobs: list[tuple[str, dict]], workers: int | None = None, **limits
     if not jobs:
         return []
     if workers is None:
-        workers = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        workers = max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
     def one(job):
         try:

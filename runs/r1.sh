@@ -11,7 +11,7 @@
 # runs/cpu.sh), else trains them first (~3 min more).
 #   bash runs/r1.sh                      # everything under ./out/cpu
 #   NANOPOST_HOME=/tmp/np bash runs/r1.sh
-#   SFT_CONVERSATIONS=3000 RL_SECONDS=60 bash runs/r1.sh    # every step in ~8 min, to weaker numbers
+#   SFT_CONVERSATIONS=3000 RL_STEPS=2 bash runs/r1.sh    # every step in ~8 min, to weaker numbers
 # A model trained too little gets no sampled answer right: step 3 then warns that it kept nothing, and step 4 stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +20,10 @@ PY=.venv/bin/python
 TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=2"
 export NANOPOST_HOME="${NANOPOST_HOME:-$PWD/out/cpu}"
 H=$NANOPOST_HOME
-SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_SECONDS=${RL_SECONDS:-180}
+SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_STEPS=${RL_STEPS:-6}
 SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-800} EVAL_PROBLEMS=${EVAL_PROBLEMS:-200}
 mkdir -p "$H"
+OW=(); if [ "${OVERWRITE:-0}" = 1 ]; then OW=(--overwrite); fi  # OVERWRITE=1: replace this recipe's earlier runs
 echo "DeepSeek-R1's recipe on the embedded world -> $H"
 
 stage() {  # stage NAME command...: run one stage, timed
@@ -44,18 +45,18 @@ t_all=$SECONDS
 if [ -d "$H/base/default/checkpoints" ] && [ -d "$H/tokenizer" ]; then
   echo "reusing $H/tokenizer and $H/base/default"
 else
-  stage "tokenizer + base model" $PY base_train.py
+  stage "tokenizer + base model" $PY base_train.py "${OW[@]}"
 fi
-stage "1. cold-start SFT" $PY chat_sft.py --run-name r1 --num-train "$SFT_CONVERSATIONS" --eval-problems 0
+stage "1. cold-start SFT" $PY chat_sft.py "${OW[@]}" --run-name r1 --num-train "$SFT_CONVERSATIONS" --eval-problems 0
 stage "   its held-out pass@1" heldout sft/r1
-stage "2. GRPO" $TORCHRUN chat_rl.py --init "$H/sft/r1" --run-name r1 --tools --time-budget "$RL_SECONDS" \
+stage "2. GRPO" $TORCHRUN chat_rl.py "${OW[@]}" --init "$H/sft/r1" --run-name r1 --tools --steps "$RL_STEPS" \
   --eval-problems "$EVAL_PROBLEMS" --eval-every 1000 --save-every 4
 stage "3. rejection sampling from the GRPO model" $TORCHRUN chat_sample.py --init "$H/rl/r1" --tools \
   --num-prompts "$SAMPLE_PROMPTS" --samples 4 --keep verified --max-per-prompt 1 --out "$H/data/r1-rs.jsonl"
-stage "4. rejection-sampling SFT" $PY chat_sft.py --init "$H/sft/r1" --data "$H/data/r1-rs.jsonl" --run-name r1-rs \
+stage "4. rejection-sampling SFT" $PY chat_sft.py "${OW[@]}" --init "$H/sft/r1" --data "$H/data/r1-rs.jsonl" --run-name r1-rs \
   --epochs 2 --lr 3e-4 --warmup-steps 3
 stage "   its held-out pass@1" heldout sft/r1-rs
-stage "5. GRPO again" $TORCHRUN chat_rl.py --init "$H/sft/r1-rs" --run-name r1-2 --tools --time-budget "$RL_SECONDS" \
+stage "5. GRPO again" $TORCHRUN chat_rl.py "${OW[@]}" --init "$H/sft/r1-rs" --run-name r1-2 --tools --steps "$RL_STEPS" \
   --eval-problems "$EVAL_PROBLEMS" --eval-every 1000
 echo; echo "R1 recipe done in $((SECONDS - t_all)) s"
 $PY chat_eval.py --report sft/r1 rl/r1 sft/r1-rs rl/r1-2 --out "$H/r1.json"

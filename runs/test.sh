@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # The test suite: installs the test requirements into .venv (on a fresh machine) and runs pytest.
+#   bash runs/test.sh            # the quick tier (~4 min on 2 cores): every module, every planted mutant's catcher
+#   bash runs/test.sh --all      # everything: also the multi-rank, kill -9, real-vocabulary and end-to-end tests (CI)
+#   bash runs/test.sh tests/test_rl.py -k advantages    # any pytest arguments after
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; fi
 .venv/bin/pip install -q -r requirements-test.txt
-.venv/bin/python -m pytest "$@"
+tier=(-m "not slow")  # chosen here, not in pytest.ini: mutation_check.py runs node ids of either tier
+if [ "${1:-}" = "--all" ]; then shift; tier=(); fi
+.venv/bin/python -m pytest "${tier[@]}" "$@"

@@ -11,7 +11,7 @@
 # after runs/cpu.sh), else trains them first (~3 min more).
 #   bash runs/tulu3.sh                   # everything under ./out/cpu
 #   NANOPOST_HOME=/tmp/np bash runs/tulu3.sh
-#   SFT_CONVERSATIONS=3000 RL_SECONDS=60 bash runs/tulu3.sh    # quicker, to weaker numbers
+#   SFT_CONVERSATIONS=3000 PPO_STEPS=2 bash runs/tulu3.sh    # quicker, to weaker numbers
 # A model trained too little gets no pair of differing answers: step 2 then warns that it wrote none, and step 3 stops.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,9 +20,10 @@ PY=.venv/bin/python
 TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=2"
 export NANOPOST_HOME="${NANOPOST_HOME:-$PWD/out/cpu}"
 H=$NANOPOST_HOME
-SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_SECONDS=${RL_SECONDS:-300}
+SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} PPO_STEPS=${PPO_STEPS:-24}
 SAMPLE_PROMPTS=${SAMPLE_PROMPTS:-800} EVAL_PROBLEMS=${EVAL_PROBLEMS:-200}
 mkdir -p "$H"
+OW=(); if [ "${OVERWRITE:-0}" = 1 ]; then OW=(--overwrite); fi  # OVERWRITE=1: replace this recipe's earlier runs
 echo "Tulu 3's recipe on the embedded world -> $H"
 
 stage() {  # stage NAME command...: run one stage, timed
@@ -44,15 +45,15 @@ t_all=$SECONDS
 if [ -d "$H/base/default/checkpoints" ] && [ -d "$H/tokenizer" ]; then
   echo "reusing $H/tokenizer and $H/base/default"
 else
-  stage "tokenizer + base model" $PY base_train.py
+  stage "tokenizer + base model" $PY base_train.py "${OW[@]}"
 fi
-stage "1. SFT" $PY chat_sft.py --run-name tulu3 --num-train "$SFT_CONVERSATIONS" --eval-problems 0
+stage "1. SFT" $PY chat_sft.py "${OW[@]}" --run-name tulu3 --num-train "$SFT_CONVERSATIONS" --eval-problems 0
 stage "   its held-out pass@1" heldout sft/tulu3
 stage "2. on-policy pairs judged by the verifier" $TORCHRUN chat_sample.py --init "$H/sft/tulu3" --tools \
   --num-prompts "$SAMPLE_PROMPTS" --samples 4 --pairs-out "$H/data/tulu3-pairs.jsonl"
-stage "3. DPO" $PY chat_dpo.py --init "$H/sft/tulu3" --data "$H/data/tulu3-pairs.jsonl" --run-name tulu3 --tools
+stage "3. DPO" $PY chat_dpo.py "${OW[@]}" --init "$H/sft/tulu3" --data "$H/data/tulu3-pairs.jsonl" --run-name tulu3 --tools
 stage "   its held-out pass@1" heldout dpo/tulu3
-stage "4. RLVR with PPO" $PY chat_ppo.py --init "$H/dpo/tulu3" --critic-init "$H/dpo/tulu3" --run-name tulu3 --tools \
-  --time-budget "$RL_SECONDS" --eval-problems "$EVAL_PROBLEMS" --eval-every 1000
+stage "4. RLVR with PPO" $PY chat_ppo.py "${OW[@]}" --init "$H/dpo/tulu3" --critic-init "$H/dpo/tulu3" --run-name tulu3 --tools \
+  --steps "$PPO_STEPS" --eval-problems "$EVAL_PROBLEMS" --eval-every 1000
 echo; echo "Tulu 3 recipe done in $((SECONDS - t_all)) s"
 $PY chat_eval.py --report sft/tulu3 dpo/tulu3 ppo/tulu3 --out "$H/tulu3.json"

@@ -5,6 +5,7 @@ import os
 import socket
 import time
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -46,6 +47,7 @@ def _late_rank(rank, port, out):
         json.dump({"seconds": time.time() - t0, "outcome": outcome}, f)
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_past_dist_timeout_gives_up_instead_of_hanging(tmp_path):
     ctx, port, out = mp.get_context("spawn"), free_port(), str(tmp_path / "waited.json")
     procs = [ctx.Process(target=_late_rank, args=(r, port, out)) for r in range(2)]

@@ -204,7 +204,7 @@ def distill_run(home, student, teacher, *extra, nproc=1):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("mode,nproc", [("on-policy", 1), ("kd", 1), ("on-policy", 2)])
+@pytest.mark.parametrize("mode,nproc", [("on-policy", 1), ("kd", 1), pytest.param("on-policy", 2, marks=pytest.mark.slow)])
 def test_distillation_moves_the_student_towards_the_teacher(tmp_path, models, mode, nproc):
     rows = distill_run(tmp_path, *models, "--mode", mode, nproc=nproc)
     steps = [r for r in rows if "loss" in r]

@@ -300,6 +300,7 @@ def dpo_run(home, init, *extra, nproc=1, stage="dpo"):
         return [row for row in rows if "loss" in row], json.load(f)
 
 
+@pytest.mark.slow
 def test_ddp_accumulation_and_live_reference_equal_one_big_batch(tmp_path, tiny_chat):
     one, ev = dpo_run(tmp_path / "one", tiny_chat, "--micro-batch-tokens", "100000", "--rpo-alpha", "0.5")
     ddp, _ = dpo_run(tmp_path / "ddp", tiny_chat, "--micro-batch-tokens", "300", "--rpo-alpha", "0.5", nproc=2)
@@ -310,10 +311,12 @@ def test_ddp_accumulation_and_live_reference_equal_one_big_batch(tmp_path, tiny_
             for k in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
                 assert abs(a[k] - b[k]) < 1e-4, (k, a[k], b[k])
     assert {"pair_accuracy", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
-            "logps/rejected", "peak_memory_mb"} <= set(ev)
+            "logps/rejected"} <= set(ev)
+    assert "peak_memory_mb" not in ev  # eval.json feeds report.json: held-out figures only, no machine figure
     assert ev["ref"] == "precompute" and ev_live["ref"] == "live"
 
 
+@pytest.mark.slow
 def test_fsdp_on_two_ranks_equals_one_process(tmp_path, tiny_chat):
     from safetensors.torch import load_file
     runs = {}

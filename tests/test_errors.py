@@ -48,6 +48,7 @@ def write_jsonl(path, rows):
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_malformed_row_is_named_before_any_model_is_looked_for(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     data = write_jsonl(tmp_path / "sft.jsonl", [good, '{"messages": [{"role": "robot", "content": "x"}]}'])
@@ -63,6 +64,7 @@ def test_a_malformed_row_is_named_before_any_model_is_looked_for(tmp_path):
         assert f"{prefs}:1: invalid JSON" in msg
 
 
+@pytest.mark.slow
 def test_a_missing_init_and_resume_without_a_checkpoint(tmp_path, tiny_chat):
     msg = one_line_error(run(tmp_path, "chat_dpo.py", "--init", str(tmp_path / "nowhere")))
     assert str(tmp_path / "nowhere") in msg and "pass --init PATH" in msg
@@ -84,6 +86,7 @@ def test_a_tokenizer_without_chatml_tokens(tmp_path, tiny_chat):
     assert "tokenizer has no <|im_start|> token" in msg
 
 
+@pytest.mark.slow
 def test_incompatible_flags(tmp_path, tiny_chat):
     msg = one_line_error(run(tmp_path, "chat_dpo.py", "--init", tiny_chat, "--loss", "orpo", "--ref", "live"))
     assert "ORPO has no reference" in msg
@@ -150,3 +153,10 @@ def test_a_bug_of_ours_keeps_its_traceback(tmp_path):
         raise KeyError("a bug")
     with pytest.raises(KeyError):
         run_main(buggy)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_asked_of_a_cpu_build_says_how_to_get_one(tmp_path, tiny_chat):
+    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--device", "cuda"))
+    assert "--device cuda" in msg and ("CPU build" in msg if torch.version.cuda is None else "no CUDA GPU" in msg)
+    assert "--device cpu" in msg

@@ -323,6 +323,7 @@ print(rss_mb()["VmHWM"] - before)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak memory from Linux /proc")
+@pytest.mark.slow
 def test_loading_does_not_hold_two_copies_of_the_weights(tmp_path):
     # a ~65 MB checkpoint; the peak memory growth of a fresh process that loads it (and reads every weight)
     # is compared with the file size. A state_dict load (load_file + load_state_dict) peaks at ~2x.

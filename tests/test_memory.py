@@ -41,6 +41,7 @@ def measured_peak_gib(home, stage):
         return max(json.loads(line).get("peak_mem_mb", 0) for line in f) / 1024
 
 
+@pytest.mark.slow
 def test_sft_steps_peak_within_20_percent_of_the_estimate_and_a_real_model_gets_a_real_lr(tmp_path, real_vocab_folder):
     words = "apples marbles count each friend gives buys more equal piles dollars".split()
     with open(tmp_path / "sft.jsonl", "w") as f:  # conversations of about 500 tokens
@@ -59,6 +60,7 @@ def test_sft_steps_peak_within_20_percent_of_the_estimate_and_a_real_model_gets_
         assert json.loads(f.readline())["lr"] == 1e-5
 
 
+@pytest.mark.slow
 def test_grpo_step_peak_within_20_percent_of_the_estimate(tmp_path, real_vocab_folder):
     estimate, _ = run(tmp_path, "chat_rl.py", "--init", real_vocab_folder, "--steps", "1", "--prompts-per-step", "1",
                       "--group-size", "8", "--max-new-tokens", "64", "--no-dynamic-sampling", "--eval-problems", "0",

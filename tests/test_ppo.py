@@ -317,6 +317,7 @@ def test_loop_runs_with_critic_from_rm(tmp_path, tiny_chat, tok):
     assert os.path.isfile(tmp_path / "ppo" / "default" / "critic" / "checkpoints" / "step_000002" / "config.json")
 
 
+@pytest.mark.slow
 def test_loop_on_two_ranks_without_rm_and_time_budget(tmp_path, tiny_chat):
     rows, out = ppo_run(tmp_path, tiny_chat, "--time-budget", "0.001", "--freeze-actor-steps", "0", nproc=2)
     assert "no reward model at" in out                            # the fallback is said out loud
@@ -326,6 +327,7 @@ def test_loop_on_two_ranks_without_rm_and_time_budget(tmp_path, tiny_chat):
     assert "eval/pass@1" in steps[0]
 
 
+@pytest.mark.slow
 def test_target_kl_stops_every_rank_at_the_same_update_and_each_reward_part_is_logged(tmp_path, tiny_chat):
     """--target-kl on 2 ranks: each step's first update sees the sampling policy itself (approximate KL 0),
     the second one a policy moved by one step, past 1e-9: the remaining updates are skipped, on both ranks

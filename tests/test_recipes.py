@@ -8,6 +8,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
 
@@ -33,6 +35,7 @@ def test_invocations_parses_continuations_and_arrays():
     assert invocations(text) == [("chat_sft.py", {"--init", "--device", "--fsdp", "--seq-len"})]
 
 
+@pytest.mark.slow
 def test_every_recipe_flag_exists():
     calls = [(os.path.basename(sh), path, flags) for sh in sorted(glob.glob(os.path.join(REPO, "runs", "*.sh")))
              for path, flags in invocations(open(sh).read())]

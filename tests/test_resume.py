@@ -103,7 +103,8 @@ def assert_same(a, b, keys, tol=1e-6):
             assert math.isclose(a[step][k], b[step][k], rel_tol=tol, abs_tol=tol), (step, k, a[step][k], b[step][k])
 
 
-@pytest.mark.parametrize("stage", ["base", "sft", "rm", "dpo", "rl", "ppo"])
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=[] if s == "sft" else pytest.mark.slow)
+                                   for s in ["base", "sft", "rm", "dpo", "rl", "ppo"]])  # sft: the quick tier's
 def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):
     script, args, keys, steps, every = stage_args(stage, tiny_chat)
     r = subprocess.run(command(script, args), env=run_env(tmp_path / "a"), capture_output=True, text=True, timeout=300)
@@ -120,6 +121,7 @@ def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):
         assert len(seconds) == steps and all(b > a for a, b in zip(seconds, seconds[1:])), seconds
 
 
+@pytest.mark.slow
 def test_fsdp_run_killed_on_two_ranks_resumes_exactly_and_on_one_rank_continues(tmp_path, tiny_chat):
     from transformers import AutoModelForCausalLM
     script, args, keys, steps, every = stage_args("sft", tiny_chat)

@@ -349,6 +349,7 @@ def test_loop_runs_with_ppo_epochs_and_tools(tmp_path, tiny_chat):
 
 
 @pytest.mark.parametrize("fsdp", [False, True])
+@pytest.mark.slow
 def test_loop_runs_on_two_ranks(tmp_path, tiny_chat, fsdp):
     # FSDP2: the engine samples from weights gathered once per rollout phase, dynamic sampling runs its own
     # rounds on each rank, every rank evaluates its share

@@ -166,6 +166,7 @@ def rm_run(home, init, *extra, nproc=1):
         return [json.loads(line) for line in f if '"loss"' in line]
 
 
+@pytest.mark.slow
 def test_ddp_and_accumulation_equal_one_big_batch_and_the_rm_loads(tmp_path, tiny_chat):
     one = rm_run(tmp_path / "one", tiny_chat, "--micro-batch-tokens", "100000", "--lm-coef", "0.5")
     ddp = rm_run(tmp_path / "ddp", tiny_chat, "--micro-batch-tokens", "250", "--lm-coef", "0.5", nproc=2)  # micro-batches of ~1 pair

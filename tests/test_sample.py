@@ -153,6 +153,7 @@ def sample_run(home, *args, nproc=1):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_bad_reward_or_data_line_errors_naming_what_and_where(tmp_path):
     r = sample_run(tmp_path, "--reward", "verifier+bogus", "--out", str(tmp_path / "o.jsonl"))
     assert r.returncode == 2 and "--reward 'verifier+bogus'" in r.stderr and "'bogus'" in r.stderr
@@ -164,6 +165,7 @@ def test_bad_reward_or_data_line_errors_naming_what_and_where(tmp_path):
     assert r.returncode == 2 and "--out" in r.stderr
 
 
+@pytest.mark.slow
 def test_two_ranks_write_what_one_rank_writes(tmp_path, tiny_chat):
     # batches of 2 prompts: rank 0 samples prompts 0-1 and 4-5, rank 1 prompts 2-3, each batch with its own seed
     torch.manual_seed(1)
@@ -209,6 +211,7 @@ def test_report_of_a_list_of_runs_keeps_their_order_and_names_a_missing_one(tmp_
         report(runs=["sft/r1", "rl/r1-2"])
 
 
+@pytest.mark.slow
 def test_eval_out_adds_to_a_runs_eval_json(tmp_path, tiny_chat):
     (tmp_path / "eval.json").write_text(json.dumps({"val_loss": 1.5}))
     r = subprocess.run([sys.executable, os.path.join(REPO, "chat_eval.py"), "--model", tiny_chat, "--problems", "2",
@@ -225,6 +228,7 @@ def test_eval_out_adds_to_a_runs_eval_json(tmp_path, tiny_chat):
     assert set(ev2) == set(ev) | {"pass@1_t1", "pass@2_t1"} and ev2["stop_rate"] == ev["stop_rate"]
 
 
+@pytest.mark.slow
 def test_data_file_prompts_are_all_sampled_and_num_prompts_takes_the_first(tmp_path, tiny_chat):
     data = tmp_path / "rl.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rl_prompts("train", 3, seed=5)))

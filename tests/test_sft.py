@@ -187,6 +187,7 @@ def test_accumulation_ddp_and_fsdp_equal_one_big_batch(tmp_path, tiny_base):
             torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_grad_checkpointing_gives_the_plain_runs_losses_and_gradients(tmp_path, tiny_base):
     """--grad-checkpointing recomputes each block's activations in backward: the same numbers, less memory."""
     plain = sft_run(tmp_path / "plain", tiny_base)

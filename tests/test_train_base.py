@@ -52,6 +52,7 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
         resolve_model_path(str(tmp_path / "nothing"))
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_and_two_ranks_equal_one_big_batch(tmp_path):
     steps = ["--steps", "4", "--batch-size", "8", "--save-every", "1000"]
     subprocess.run(base_cmd(*steps, "--device-batch-size", "8"), env=env_for(tmp_path / "one"), check=True,
