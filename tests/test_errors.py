@@ -141,7 +141,7 @@ def test_a_run_that_cannot_fit_is_one_line_before_any_weight_is_read(tmp_path, t
     config.update(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
                   num_key_value_heads=8, head_dim=128)
     (big / "config.json").write_text(json.dumps(config))
-    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", str(big), "--steps", "1", "--num-train", "8",
+    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", str(big), "--steps", "1", "--num-train", "200",
                              "--eval-problems", "0"))
     assert re.search(r"needs about [\d.]+ GiB per device .* cpu has [\d.]+ GiB available", msg), msg
 

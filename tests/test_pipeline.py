@@ -10,18 +10,18 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLLOUT = ["--num-prompts", "16", "--steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "24",
-           "--eval-problems", "8", "--pass-k", "2", "--tools"]
+           "--eval-problems", "8", "--pass-k", "2"]
 # each stage starts from the one before, through $NANOPOST_HOME's default run directories, as in runs/cpu.sh
 PIPELINE = [
     (1, "base_train.py", ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-kv-head", "1", "--seq-len", "128",
                           "--num-docs", "200", "--vocab-size", "400", "--steps", "4", "--batch-size", "8",
                           "--device-batch-size", "8", "--warmup-steps", "1", "--eval-problems", "8"]),
     (1, "chat_sft.py", ["--num-train", "64", "--num-val", "8", "--steps", "4", "--batch-size", "8", "--warmup-steps",
-                        "1", "--eval-problems", "8", "--pass-k", "2", "--max-new-tokens", "24", "--tools"]),
+                        "1", "--eval-problems", "8", "--pass-k", "2", "--max-new-tokens", "24"]),
     (1, "chat_rm.py", ["--num-train", "32", "--num-val", "8", "--steps", "3", "--batch-size", "8", "--warmup-steps",
                        "1"]),
     (1, "chat_dpo.py", ["--num-train", "32", "--num-val", "8", "--steps", "3", "--batch-size", "8", "--warmup-steps",
-                        "1", "--eval-problems", "8", "--max-new-tokens", "24", "--tools"]),
+                        "1", "--eval-problems", "8", "--max-new-tokens", "24"]),
     (2, "chat_rl.py", ROLLOUT + ["--group-size", "4", "--max-resample", "1", "--warmup-steps", "1"]),
     (1, "chat_ppo.py", ROLLOUT + ["--freeze-actor-steps", "1", "--warmup-steps", "1"]),
 ]

@@ -205,8 +205,8 @@ def test_report_of_a_list_of_runs_keeps_their_order_and_names_a_missing_one(tmp_
     assert list(rep) == ["sft/r1", "rl/r1", "sft/r1-rs"] and rep["rl/r1"]["pass@1_t1"] == 0.25
     assert json.loads((tmp_path / "r1.json").read_text()) == rep
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["sft/r1", "0.500", "-", "-", "-", "-", "-"]
-    assert lines[2].split() == ["rl/r1", "0.625", "0.250", "-", "-", "-", "-"]
+    assert lines[1].split() == ["sft/r1", "0.500", "-", "-", "-", "-", "-", "?"]  # ?: an eval.json without its run
+    assert lines[2].split() == ["rl/r1", "0.625", "0.250", "-", "-", "-", "-", "?"]
     with pytest.raises(UserError, match="rl/r1-2"):
         report(runs=["sft/r1", "rl/r1-2"])
 
