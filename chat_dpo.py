@@ -40,11 +40,10 @@ from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, fi
                     run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
 from data import load_preferences, split_heldout
 from decontaminate import overlap_warning
-from evaluation import evaluate_chat, scores_line
 from lora import lora_options
 from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches
-from preferences import (add_preference_flags, both, completion_logps, evaluate_pairs, pair_items, pass_before_after,
-                         reference_logps, reference_of, sampled_pairs)
+from preferences import (add_preference_flags, completion_logps, evaluate_pairs, final_scores, pair_eval_line,
+                         pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
 from tasks import preference_pairs, rl_prompts
 from tokenizer import Tokenizer
 
@@ -191,24 +190,13 @@ def main():
     print0(f"data: {len(items)} training pairs, {len(val_items)} held-out pairs; {counts}"
            + ("" if val_items else " (no held-out pair: the implicit-reward accuracy is not measured)"))
 
-    # the reference: the starting model's log-probs of both completions of every item, computed now
-    # (the policy IS the reference at step 0), or a frozen copy (compute dtype) kept for live forwards
+    # the reference log-probs (or a frozen copy for live forwards), and greedy pass@1 at the start
     pad, cap = tok.pad_id, args.max_len
-    val_ref = reference_logps(model, both(val_items), pad, cap).view(-1, 2)
-    ref_model, ref = None, None
-    if orpo:
-        pass  # ORPO has no reference in its loss (val_ref serves only the held-out implicit reward)
-    elif args.ref == "precompute":
-        ref = reference_logps(model, both(items), pad, cap).view(-1, 2)
-    else:
-        ref_model = reference_model(model, init, args.fsdp)  # LoRA: the policy itself, run with adapters off
-    start = ({}, None)
-    # greedy pass@1 on held-out problems: the embedded world's (a user's pairs have no answer key)
-    eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
-    if eval_rows and not ckpt:  # the SFT start, measured the same way as the end (every rank its share)
-        start = evaluate_chat(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, use_tools=args.tools,
-                              per_prompt=True)
-        print0("start, held-out greedy: " + scores_line(start[0], len(eval_rows)))
+    val_ref, ref, ref_model = pair_references(model, items, val_items, ref="none" if orpo else args.ref, init=init,
+                                              fsdp=args.fsdp, pad_id=pad, capacity=cap)
+    eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []  # the embedded world's answer key
+    start = ({}, None) if ckpt else pass_at_start(model, tok, eval_rows, max_new_tokens=args.max_new_tokens,
+                                                  tools=args.tools)
     if ckpt:
         model = wrap_model(load_model(ckpt, fsdp=args.fsdp, lora=lora_options(args, resume=True)), fsdp=args.fsdp)
         if ref_model is not None and args.lora_rank:  # the reloaded policy, with its adapters off
@@ -271,20 +259,14 @@ def main():
             ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)
             metrics.update({f"val/{k}": round(v, 4) for k, v in ev.items()})
             if dist.is_main:
-                bar.write(f"step {step + 1}: loss {metrics['loss']:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
-                          f"margin {ev['rewards/margins']:.3f}  logps/chosen {ev['logps/chosen']:.2f}")
+                bar.write(pair_eval_line(step + 1, metrics["loss"], ev))
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
-    # held-out, every rank its share: the implicit-reward metrics, and greedy pass@1 before and after
-    ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta) if val_items else {}
-    print0("held-out pairs: " + scores_line(ev, len(val_items)))
-    if eval_rows:
-        scores = pass_before_after(model, tok, eval_rows, start, max_new_tokens=args.max_new_tokens, tools=args.tools)
-        print0("held-out problems: " + scores_line(scores, len(eval_rows)))
-        ev.update(scores)
+    ev = final_scores(model, tok, val_items, val_ref, eval_rows, start, pad_id=pad, capacity=cap, beta=args.beta,
+                      max_new_tokens=args.max_new_tokens, tools=args.tools)
     ev["ref"] = "none" if orpo else args.ref
     log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     write_eval(out_dir, ev)

@@ -97,12 +97,6 @@ def ngram_overlap(train_rows: list, eval_rows: list, n: int = 13) -> tuple[dict[
     return flagged, {j for j, hashes in enumerate(eval_hashes) if hashes & shared}
 
 
-def contaminated_rows(train_rows: list, eval_rows: list, n: int = 13) -> dict[int, tuple[int, str]]:
-    """{training row index: (an evaluation row index, the n-gram they share)} for every training row that
-    shares a word n-gram with an evaluation row (see ngram_overlap)."""
-    return ngram_overlap(train_rows, eval_rows, n)[0]
-
-
 def overlap_warning(train_rows: list, eval_rows: list, n: int = 13, name: str = "--data") -> str | None:
     """One line for a stage to print when its training rows overlap the rows it evaluates on, or None:
     "warning: --data: 3 of 5,000 rows share a 13-word n-gram with 2 of 200 evaluation rows, e.g. row 17:

@@ -99,7 +99,7 @@ def sample_next(logits, temperature, top_k, top_p, uniform):
     # a token of probability 0 (cut by top-k / top-p) is never that index, its CDF being the one before it
     target = torch.minimum(uniform.view(logits.size(0), -1) * total, torch.nextafter(total, torch.zeros_like(total)))
     tok = torch.searchsorted(cdf, target, right=True)
-    # its log-prob as the trainer computes it, logit - logsumexp (model.logprobs_from_logits), the logsumexp
+    # its log-prob as the trainer computes it, logit - logsumexp (model.vocab_logprobs), the logsumexp
     # from the float64 sum (float32 log_softmax on CPU sums 151,936 exponentials in float32: off by 4e-4)
     logsumexp = peak + total.log().float()
     return tok.view(uniform.shape), (logits.gather(-1, tok) - logsumexp).view(uniform.shape)

@@ -254,15 +254,6 @@ def process_logits(logits, temperature=1.0, top_k=None, top_p=None):
     return logits
 
 
-def logprobs_from_logits(logits, targets, temperature=1.0, top_k=None, top_p=None):
-    """log p(target) per position, float32. Targets < 0 (ignore index) give 0."""
-    logits = process_logits(logits, temperature, top_k, top_p)
-    safe = targets.clamp(min=0)
-    # gather - logsumexp is log_softmax without materializing the whole (.., V) log-softmax
-    lp = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    return lp.masked_fill(targets < 0, 0.0)
-
-
 def vocab_logprobs(hidden, weight, targets, *, temperature=1.0, top_k=None, top_p=None, with_entropy=False,
                    chunk_elements=2**26):
     """log p(targets) in float32 (B, T), 0 where targets < 0, from final hidden states (B, T, C) and a

@@ -9,10 +9,11 @@ tokenizer.render_conversation, graded where the mask is 1 after the prompt (the 
 """
 import torch
 
+from checkpoint import reference_model
 from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_max, all_reduce_sum, autocast,
                     dist_info, idle_pass, print0, unwrap)
 from engine import Engine
-from evaluation import evaluate_chat, paired_change
+from evaluation import evaluate_chat, paired_change, scores_line
 from lora import adapters_off, add_lora_flags
 from packing import IGNORE, pack_sequences, sft_example
 from rewards import answer_text, verify
@@ -214,6 +215,46 @@ def reference_of(idx, items, ref, ref_model, pad_id, capacity):
         return ref[idx]
     with torch.no_grad(), adapters_off(ref_model):
         return completion_logps(ref_model, both([items[i] for i in idx]), pad_id, "packed", capacity)[0].view(-1, 2)
+
+
+def pair_references(model, items, val_items, *, ref, init, fsdp, pad_id, capacity):
+    """The reference, as (held-out [n_val, 2], training [n, 2] or None, frozen model or None). The starting
+    policy's log-probs of both answers of every held-out item are computed now (the policy IS the reference
+    at step 0). ref "precompute": the training items' too; "live": a frozen copy kept for live forwards
+    (checkpoint.reference_model: with LoRA, the policy itself with its adapters off); "none" (ORPO): only
+    the held-out implicit reward has one."""
+    val_ref = reference_logps(model, both(val_items), pad_id, capacity).view(-1, 2)
+    if ref == "precompute":
+        return val_ref, reference_logps(model, both(items), pad_id, capacity).view(-1, 2), None
+    return val_ref, None, reference_model(model, init, fsdp) if ref == "live" else None
+
+
+def pass_at_start(model, tok, rows, *, max_new_tokens, tools):
+    """Greedy pass@1 on the held-out problems at the start, measured as pass_before_after measures the end
+    (every rank its share): (scores, per-problem correct), or ({}, None) without problems."""
+    if not rows:
+        return {}, None
+    start = evaluate_chat(model, tok, rows, max_new_tokens=max_new_tokens, use_tools=tools, per_prompt=True)
+    print0("start, held-out greedy: " + scores_line(start[0], len(rows)))
+    return start
+
+
+def pair_eval_line(step, loss, ev):
+    """The line a loop prints after evaluate_pairs."""
+    return (f"step {step}: loss {loss:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  margin {ev['rewards/margins']:.3f}  "
+            f"logps/chosen {ev['logps/chosen']:.2f}")
+
+
+def final_scores(model, tok, val_items, val_ref, eval_rows, start, *, pad_id, capacity, beta, max_new_tokens, tools):
+    """The end of a run, every rank its share: the implicit-reward metrics on the held-out pairs, and greedy
+    pass@1 before and after on the held-out problems; both printed."""
+    ev = evaluate_pairs(model, val_items, val_ref, pad_id, capacity, beta) if val_items else {}
+    print0("held-out pairs: " + scores_line(ev, len(val_items)))
+    if eval_rows:
+        scores = pass_before_after(model, tok, eval_rows, start, max_new_tokens=max_new_tokens, tools=tools)
+        print0("held-out problems: " + scores_line(scores, len(eval_rows)))
+        ev.update(scores)
+    return ev
 
 
 def pass_before_after(model, tok, rows, start, *, max_new_tokens, tools):

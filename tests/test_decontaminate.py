@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from common import UserError
-from decontaminate import contaminated_rows, decontaminate, ngram_overlap, ngrams, overlap_warning, row_texts, words
+from decontaminate import decontaminate, ngram_overlap, ngrams, overlap_warning, row_texts, words
 from tasks import preference_pairs, rl_prompts, sft_conversations
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,19 +58,19 @@ def test_counts_match_brute_force(n):
     assert 0 < len(flagged) < len(train) and 0 < len(eval_hit) < len(evals)  # both kinds of row occur
     for i, (j, gram) in flagged.items():  # each example really is shared by the two rows it names
         assert tuple(gram.split()) in train_grams[i] & eval_grams[j]
-    assert contaminated_rows(train, evals, n) == flagged
+    assert ngram_overlap(train, evals, n)[0] == flagged
 
 
 def test_boundary_and_disjoint_texts():
     question = "Mia has 12 apples. She buys 7 more apples at the market. How many apples does Mia have now?"
     shifted = "Yesterday " + " ".join(question.split()[:12]) + " and then she went home."  # 12 words shared
-    assert contaminated_rows([shifted], [question], n=13) == {}
-    assert contaminated_rows([shifted], [question], n=12) == {0: (0, "mia has 12 apples she buys 7 more apples at the market")}
+    assert ngram_overlap([shifted], [question], n=13)[0] == {}
+    assert ngram_overlap([shifted], [question], n=12)[0] == {0: (0, "mia has 12 apples she buys 7 more apples at the market")}
     disjoint = ["The weather was cold and windy all week, so the children stayed inside and read books.",
                 "A train leaves the station at noon and arrives in the city two hours later."]
-    assert contaminated_rows(disjoint, rl_prompts("test", 50), n=8) == {}
+    assert ngram_overlap(disjoint, rl_prompts("test", 50), n=8)[0] == {}
     assert overlap_warning(disjoint, rl_prompts("test", 50)) is None
-    assert contaminated_rows(["MIA has 12 apples; she BUYS 7 more apples -- at the market... HOW"], [question], n=13)  # case, punctuation
+    assert ngram_overlap(["MIA has 12 apples; she BUYS 7 more apples -- at the market... HOW"], [question], n=13)[0]  # case, punctuation
 
 
 def test_planted_leak_is_found_and_dropped(tmp_path):

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from common import autocast
 import engine
 from engine import Engine, run_tool_calls, sample_next
-from model import GPT, GPTConfig, KVCache, logprobs_from_logits, process_logits
+from model import GPT, GPTConfig, KVCache, process_logits
 from tasks import TOOLS
 from test_engine_cuda import check_bf16_decode_step, check_logprob_gap
 
@@ -79,7 +79,8 @@ def test_engine_logprobs_equal_trainer_recomputation(tok, model, temperature, to
             seq = batch[o.prompt_index] + o.tokens
             x, y = torch.tensor([seq[:-1]]), torch.tensor([seq[1:]])
             with torch.no_grad():
-                lp = logprobs_from_logits(model(x), y, temperature, top_k, top_p)[0, len(batch[o.prompt_index]) - 1:]
+                # the trainer's forward: log p(targets) under the processed distribution (model.vocab_logprobs)
+                lp = model(x, y, temperature=temperature, top_k=top_k, top_p=top_p)[0, len(batch[o.prompt_index]) - 1:]
             torch.testing.assert_close(torch.tensor(o.logprobs), lp, atol=1e-4, rtol=0)
 
 

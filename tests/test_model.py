@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common import UserError
-from model import GPT, GPTConfig, KVCache, logprobs_from_logits, positions_from_doc_ids, process_logits
+from model import GPT, GPTConfig, KVCache, positions_from_doc_ids, process_logits
 from checkpoint import load_hf, save_hf
 from engine import decode_step, decode_weights
 
@@ -143,11 +143,11 @@ def test_process_logits_top_k_top_p_support():
     # top-k keeps exactly k tokens, the k largest (a `<=` for `<` keeps k - 1), and renormalizes over them
     for k, want in ((1, [True, False, False, False]), (2, [True, True, False, False]), (3, [True, True, True, False])):
         assert (~torch.isinf(process_logits(logits, top_k=k))).tolist() == [want]
-    lp = logprobs_from_logits(logits, torch.tensor([1]), top_k=2)
+    lp = process_logits(logits, top_k=2).log_softmax(-1)[0, 1]
     assert abs(lp.item() - math.log(0.3 / 0.8)) < 1e-6
     kept = ~torch.isinf(process_logits(logits, top_p=0.7))
     assert kept.tolist() == [[True, True, False, False]]    # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
-    lp = logprobs_from_logits(logits, torch.tensor([[1]]).expand(1, 1).reshape(1), top_p=0.7)
+    lp = process_logits(logits, top_p=0.7).log_softmax(-1)[0, 1]
     assert abs(lp.item() - torch.log(torch.tensor(0.3 / 0.8)).item()) < 1e-6
 
 
