@@ -371,3 +371,16 @@ def test_sft_init_from_a_real_shaped_qwen3_folder(tmp_path):
     x = torch.tensor([Tokenizer.load(ckpt).render_for_completion(convs[0]["messages"][:-1])])
     with torch.no_grad():
         torch.testing.assert_close(ours(x), trained(x).logits, atol=1e-4, rtol=0)
+
+
+def test_take_it_elsewhere_snippet_runs(tmp_path, tok, capsys):
+    # docs/real-models.md's "Take it elsewhere" code, as written, on a checkpoint of ours (transformers 5's
+    # apply_chat_template returns a BatchEncoding: the snippet must pass it as keyword arguments)
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "real-models.md")).read()
+    snippet = text.split("## Take it elsewhere", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    path = "out/rl/qwen3-grpo/checkpoints/step_000200"
+    assert path in snippet and "max_new_tokens=256" in snippet
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, max_seq_len=128))
+    save_hf(model, str(tmp_path), tok)
+    exec(snippet.replace(path, str(tmp_path)).replace("max_new_tokens=256", "max_new_tokens=4"), {})
+    assert "What is 17 * 23?" in capsys.readouterr().out
