@@ -137,13 +137,13 @@ def main():
     accum = args.batch_size // (args.device_batch_size * dist.world_size)
     config = GPTConfig(vocab_size=tok.vocab_size, n_layer=args.n_layer, n_head=args.n_head, n_kv_head=args.n_kv_head,
                        n_embd=args.n_embd, head_dim=args.n_embd // args.n_head, intermediate_size=4 * args.n_embd,
-                       max_seq_len=args.max_seq_len)
+                       max_seq_len=args.max_seq_len, dtype=None if args.save_dtype == "auto" else args.save_dtype)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     memory.check(memory.estimate(trained=[memory.Shape.of(config)], micro_batch_tokens=args.device_batch_size * args.seq_len,
                                  world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
                                  grad_checkpointing=args.grad_checkpointing), device)  # know before you OOM
     if ckpt:
-        model = load_model(ckpt, fsdp=args.fsdp)
+        model = load_model(ckpt, fsdp=args.fsdp, save_dtype=args.save_dtype)
     else:
         model = GPT(config).to(device)
         broadcast_parameters(model)  # ranks were seeded apart: every rank starts from rank 0's weights

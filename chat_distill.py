@@ -201,7 +201,8 @@ def main():
         world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
         grad_checkpointing=args.grad_checkpointing), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp), fsdp=args.fsdp)  # float32 master weights
+    # float32 master weights
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     args.lr = learning_rate(args.lr, "rl", unwrap(model))
     optimizer = make_optimizer(model, args.lr)

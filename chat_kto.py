@@ -133,7 +133,8 @@ def main():
                                  sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
                                  sample_tokens=args.max_len), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(init, fsdp=args.fsdp, lora=lora_options(args)), fsdp=args.fsdp)
+    model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora_options(args)),
+                       fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:
         train_rows = sampled_pairs(model, tok, num_prompts=args.num_train, samples=args.samples,
                                    temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
@@ -154,7 +155,8 @@ def main():
     start = ({}, None) if ckpt else pass_at_start(model, tok, eval_rows, max_new_tokens=args.max_new_tokens,
                                                   tools=args.tools)
     if ckpt:
-        model = wrap_model(load_model(ckpt, fsdp=args.fsdp, lora=lora_options(args, resume=True)), fsdp=args.fsdp)
+        model = wrap_model(load_model(ckpt, fsdp=args.fsdp, save_dtype=args.save_dtype,
+                                      lora=lora_options(args, resume=True)), fsdp=args.fsdp)
         if ref_model is not None and args.lora_rank:  # the reloaded policy, with its adapters off
             ref_model = reference_model(model, init, args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing

@@ -272,10 +272,11 @@ def main():
         minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens, lora_rank=args.lora_rank,
         world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
         grad_checkpointing=args.grad_checkpointing), device)
-    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
-                        fsdp=args.fsdp)
+    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
+                                  lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)
     # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (docs/lora.md)
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp,
+                                   save_dtype=args.save_dtype,
                                    lora=lora_options(args, resume=bool(critic_ckpt))), fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)

@@ -241,7 +241,8 @@ def main():
                                  grad_checkpointing=args.grad_checkpointing, lora_rank=args.lora_rank), device)  # know before you OOM
     # a fresh score head starts at 0: every reward 0 at step 0
     # float32 master weights (LoRA: a frozen base in the compute dtype, float32 adapters and score head)
-    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt)))
+    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp, save_dtype=args.save_dtype,
+                       lora=lora_options(args, resume=bool(ckpt)))
     model.grad_checkpointing = args.grad_checkpointing
     if args.lm_coef:
         attach_vocab_head(model, init)

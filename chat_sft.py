@@ -160,8 +160,8 @@ def main():
                                  cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing,
                                  lora_rank=args.lora_rank), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, lora=lora_options(args, resume=bool(ckpt))),
-                       fsdp=args.fsdp)
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
+                                  lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     args.lr = learning_rate(args.lr, "sft", unwrap(model))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)

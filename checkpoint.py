@@ -25,7 +25,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.tensor import distribute_tensor
 
 from common import UserError, barrier, compute_dtype, dist_info, print0, reshard, shard_model, unwrap
@@ -99,12 +100,20 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
             intermediate_size=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
             rope_theta=float(rope_theta), rope_scaling=rope_scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             qk_norm=(arch == "qwen3"), tie_word_embeddings=hf.get("tie_word_embeddings", arch == "qwen3"),
-            arch=arch, head=head,
+            arch=arch, head=head, dtype=_stored_dtype(hf.get("dtype") or hf.get("torch_dtype")),
         )
         rope_inv_freq(config)
     except ValueError as e:
         raise UserError(f"{where}: {e}") from None
     return config
+
+
+SAVE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _stored_dtype(name):
+    """config.json's dtype as GPTConfig.dtype: "bfloat16" as is, "auto" or a missing one None."""
+    return name if name in SAVE_DTYPES else None
 
 
 def load_config(path, head=None) -> GPTConfig:
@@ -256,7 +265,8 @@ def load_lm_head(path, device="cpu"):
 
 
 def save_hf(model, path, tokenizer=None, dtype=None, max_shard_bytes=5 * 2**30):
-    """Write a folder that transformers loads: config.json, the weights (model.safetensors, or files
+    """Write a folder that transformers loads: config.json, the weights in `dtype` (default: the dtype of
+    the folder the model came from, model.config.dtype, else its parameters'; model.safetensors, or files
     of at most max_shard_bytes with model.safetensors.index.json, as transformers shards them),
     generation_config.json and the tokenizer files. Not atomic by itself (save_checkpoint is).
     Under FSDP2 every rank must call it: each tensor is gathered on its own (full_tensor) and rank 0
@@ -265,6 +275,7 @@ def save_hf(model, path, tokenizer=None, dtype=None, max_shard_bytes=5 * 2**30):
     state = model.state_dict()
     if model.config.head == "lm" and model.config.tie_word_embeddings:
         state.pop("lm_head.weight")  # tied: transformers re-ties it from embed_tokens
+    dtype = dtype or (getattr(torch, model.config.dtype) if model.config.dtype else None)  # the input's, by default
     out_dtype = dtype or next(model.parameters()).dtype
     files, current, size = [], [], 0  # consecutive tensors, a file at most max_shard_bytes
     for key, value in state.items():
@@ -311,15 +322,18 @@ def save_hf(model, path, tokenizer=None, dtype=None, max_shard_bytes=5 * 2**30):
 # ------------------------------------------------------------------------------------------------
 # What a stage trains, and the start it is compared with
 
-def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None):
+def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None, save_dtype="auto"):
     """A model folder loaded for this rank, on its device: whole, or with fsdp=True under torchrun built
     sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor. `path` may be a
     LoRA adapter folder (merged into its base in float32). lora (lora_options): LoRA training, the base
-    frozen in the compute dtype with float32 adapters on top (lora.add_lora)."""
+    frozen in the compute dtype with float32 adapters on top (lora.add_lora). save_dtype (--save-dtype):
+    the dtype its checkpoints ship in; "auto", the folder's own (bfloat16 for a Qwen3 download)."""
     shard = shard_model if fsdp and dist_info().world_size > 1 else None
     if lora:
         dtype = compute_dtype(dist_info().device)
     model = load_hf(path, dtype=dtype, device=dist_info().device, head=head, shard=shard, lora=lora)
+    if save_dtype != "auto":
+        model.config.dtype = save_dtype
     if lora:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print0(f"LoRA rank {model.lora['r']} (alpha {model.lora['alpha']:g}) on {','.join(model.lora['targets'])}: "
@@ -349,7 +363,11 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
     weights, tokenizer files: what transformers reads; a LoRA run's: its adapter folder in PEFT's format,
     what peft reads), plus nanopost's training state: the optimizer
     (optimizer.pt, or under FSDP2 the sharded optimizer/ folder of torch.distributed.checkpoint, which a
-    run on another number of ranks can load), trainer_state.json and rng_rank{r}.pt. Everything goes to
+    run on another number of ranks can load), trainer_state.json and rng_rank{r}.pt. The weights ship in the
+    input's dtype (model.config.dtype: bfloat16 for a Qwen3 download); when that is not the float32 the model
+    trains in, a resumable checkpoint also keeps the float32 master weights, under a name no loader of
+    *.safetensors picks up: master_weights.pt (or the "model" entry of the optimizer/ folder under FSDP2), so
+    that --resume continues exactly. Everything goes to
     a .tmp folder renamed into place only when complete, so a process killed mid-save leaves the previous
     checkpoint intact; a full disk is a UserError naming the folder. The `keep` newest are kept. Every
     rank calls it."""
@@ -365,14 +383,21 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
         if sharded or dist_info().is_main:  # sharded weights are gathered tensor by tensor, with every rank
             # a LoRA run saves its adapter only (PEFT's format), which names the frozen base it applies to
             (save_adapter if getattr(gpt, "lora", None) else save_hf)(gpt, tmp, tokenizer)
+        shipped = getattr(torch, gpt.config.dtype) if gpt.config.dtype else None
+        master = optimizer is not None and not getattr(gpt, "lora", None) and shipped not in (
+            None, next(gpt.parameters()).dtype)
         if optimizer is not None and sharded:
-            dcp.save({"optimizer": get_optimizer_state_dict(gpt, optimizer)},
+            dcp.save({"optimizer": get_optimizer_state_dict(gpt, optimizer),
+                      **({"model": get_model_state_dict(gpt)} if master else {})},
                      checkpoint_id=os.path.join(tmp, "optimizer"))
         if dist_info().is_main:
             if optimizer is not None and not sharded:
                 _save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+                if master:
+                    _save(gpt.state_dict(), os.path.join(tmp, "master_weights.pt"))
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, "world_size": dist_info().world_size, **(state or {})}, f, indent=2)
+                json.dump({"step": step, "world_size": dist_info().world_size, "master_weights": master,
+                           **(state or {})}, f, indent=2)
         barrier()
         _save(rng_state(), os.path.join(tmp, f"rng_rank{dist_info().rank}.pt"))
         barrier()
@@ -454,7 +479,8 @@ def rng_state():
 
 
 def load_training_state(ckpt, optimizer=None, model=None) -> dict:
-    """Restore the optimizer and this rank's RNG from a checkpoint; returns trainer_state.json.
+    """Restore the optimizer, the float32 master weights of a checkpoint that shipped in a lower precision
+    (into `model`, loaded from its shipped weights), and this rank's RNG; returns trainer_state.json.
     Call it AFTER any seeding, so the restored RNG is the one that continues. A sharded (FSDP2) model's
     optimizer comes from the checkpoint's optimizer/ folder, resharded to however many ranks run now. On
     another number of ranks the per-rank RNG streams cannot be restored: the run continues from the
@@ -466,13 +492,20 @@ def load_training_state(ckpt, optimizer=None, model=None) -> dict:
         if model is None:
             raise ValueError("load_training_state needs the model to restore a sharded optimizer")
         osd = get_optimizer_state_dict(unwrap(model), optimizer)
-        dcp.load({"optimizer": osd}, checkpoint_id=os.path.join(ckpt, "optimizer"))
+        msd = get_model_state_dict(unwrap(model)) if state.get("master_weights") else None
+        dcp.load({"optimizer": osd, **({"model": msd} if msd is not None else {})},
+                 checkpoint_id=os.path.join(ckpt, "optimizer"))
         set_optimizer_state_dict(unwrap(model), optimizer, osd)
+        if msd is not None:
+            set_model_state_dict(unwrap(model), msd)
     elif optimizer is not None:
         if sharded:
             raise UserError(f"{ckpt} was saved without --fsdp (optimizer.pt); resume it without --fsdp")
         optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu",
                                              weights_only=False))
+        if state.get("master_weights"):  # mmap: no second copy of the weights in memory
+            unwrap(model).load_state_dict(torch.load(os.path.join(ckpt, "master_weights.pt"), map_location="cpu",
+                                                     mmap=True, weights_only=True))
     if state.get("world_size", dist_info().world_size) != dist_info().world_size:
         print0(f"note: {ckpt} was saved by {state['world_size']} rank(s), this run has {dist_info().world_size}: "
                f"weights and optimizer resume, the random streams start afresh")

@@ -327,6 +327,8 @@ def add_run_flags(parser, stage: str):
     parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across "
                         "ranks (FSDP2)")
     parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
+    parser.add_argument("--save-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the dtype checkpoints ship in (auto: the --init folder's; training stays float32)")
 
 
 def start_run(args, stage: str, title: str):

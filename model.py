@@ -44,6 +44,8 @@ class GPTConfig:
     tie_word_embeddings: bool = True
     arch: str = "qwen3"              # which Hugging Face architecture config.json speaks: "qwen3" | "llama"
     head: str = "lm"                 # "lm": next-token logits; "scalar": one number per position (RM, critic)
+    dtype: str | None = None         # what its weights are stored in on disk, and its checkpoints ship in
+                                     # (config.json's dtype; None: as its parameters are)
 
     def __post_init__(self):
         if self.n_head % self.n_kv_head:

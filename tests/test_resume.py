@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from model import GPT, GPTConfig
+from safetensors import safe_open
+
 from checkpoint import load_hf, save_hf
+from tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE_TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "128",
@@ -119,6 +122,49 @@ def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):
         clock = metrics_by_step(home, stage, ["train_seconds"])  # steps to the kill, then the resumed ones
         seconds = [clock[s]["train_seconds"] for s in sorted(clock)]
         assert len(seconds) == steps and all(b > a for a, b in zip(seconds, seconds[1:])), seconds
+
+
+@pytest.fixture(scope="module")
+def bf16_chat(tiny_chat, tmp_path_factory):
+    """tiny_chat as a Qwen3 download ships: bfloat16 weights, config.json saying so."""
+    path = tmp_path_factory.mktemp("chat_bf16")
+    save_hf(load_hf(tiny_chat), str(path), Tokenizer.load(tiny_chat), dtype=torch.bfloat16)
+    return str(path)
+
+
+def tensor_dtypes(folder):
+    with safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as f:
+        return {f.get_tensor(k).dtype for k in f.keys()}
+
+
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_bfloat16_input_ships_bfloat16_and_resumes_exactly_from_float32_master_weights(tmp_path, bf16_chat, nproc):
+    script, args, keys, steps, every = stage_args("sft", bf16_chat)
+    args = args + (["--fsdp", "--device-batch-size", "4"] if nproc == 2 else [])
+    r = subprocess.run(command(script, args, nproc), env=run_env(tmp_path / "a"), capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    final = tmp_path / "a" / "sft" / "default" / "checkpoints" / f"step_{steps:06d}"
+    # shipped in the input's dtype: half the bytes of float32, and the only *.safetensors (vLLM loads them all)
+    assert tensor_dtypes(final) == {torch.bfloat16}
+    assert json.load(open(final / "config.json"))["dtype"] == "bfloat16"
+    assert [p.name for p in final.glob("*.safetensors")] == ["model.safetensors"]
+    assert (final / ("optimizer" if nproc == 2 else "master_weights.pt")).exists()
+    # a resumed run continues from the float32 master weights, not from their bfloat16 rounding
+    home = tmp_path / "b"
+    run_killed_then_resumed(command(script, args, nproc), command(script, args + ["--resume"], nproc), home, "sft",
+                            2 * every)
+    assert_same(metrics_by_step(tmp_path / "a", "sft", keys), metrics_by_step(home, "sft", keys), keys,
+                tol=1e-6 if nproc == 1 else 1e-5)
+
+
+def test_save_dtype_overrides_the_inputs(tmp_path, bf16_chat):
+    script, args, _, steps, _ = stage_args("sft", bf16_chat)
+    r = subprocess.run(command(script, args + ["--steps", "3", "--save-dtype", "float32"]), env=run_env(tmp_path),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    final = tmp_path / "sft" / "default" / "checkpoints" / "step_000003"
+    assert tensor_dtypes(final) == {torch.float32} and not (final / "master_weights.pt").exists()
 
 
 @pytest.mark.slow
