@@ -57,7 +57,7 @@ from packing import micro_batches
 from rewards import Grader
 from rollout import CORRECTIONS, batch_logprobs, draw_prompts, sample, sampler_correction, training_batch
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, settle_chat_template
 
 parser = argparse.ArgumentParser(description="on-policy distillation from a teacher sharing the tokenizer")
 parser.add_argument("--init", default=None, help="the student: model folder or run dir (default: the SFT run)")
@@ -194,6 +194,7 @@ def main():
     S, local_prompts = args.samples_per_prompt, args.prompts_per_step // dist.world_size
     student_shape, teacher_shape = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(teacher_path))
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
+    settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
     prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
     memory.check(memory.rollout_estimate(  # know before you OOM: the student trains, the teacher only runs forward
         trained=[student_shape], frozen=[teacher_shape], answers=local_prompts * S, prompt_len=prompt_len,

@@ -45,7 +45,7 @@ from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches
 from preferences import (add_preference_flags, completion_logps, evaluate_pairs, final_scores, pair_eval_line,
                          pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
 from tasks import preference_pairs, rl_prompts
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, settle_chat_template
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo")
 
@@ -184,6 +184,7 @@ def main():
     if args.pairs == "on-policy" and not args.data:
         train_rows = sampled_pairs(model, tok, num_prompts=args.num_train, samples=args.samples,
                                    temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     items, counts = pair_items(tok, train_rows, args.max_len)
     val_items, _ = pair_items(tok, val_rows, args.max_len)
     if not items:

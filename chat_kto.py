@@ -38,7 +38,7 @@ from packing import check_batch_fits, epoch_batch, micro_batches
 from preferences import (add_preference_flags, completion_example, completion_logps, evaluate_pairs, final_scores,
                          pair_eval_line, pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
 from tasks import preference_pairs, rl_prompts
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, settle_chat_template
 
 parser = argparse.ArgumentParser(description="KTO: preference learning from single answers labeled good or bad")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
@@ -140,6 +140,7 @@ def main():
                                    temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
     if "label" not in train_rows[0]:  # pairs (the embedded world's, or sampled): two labeled answers each
         train_rows = [single for r in train_rows for single in kto_rows(r)]
+    settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     items, counts = kto_items(tok, train_rows, args.max_len)
     val_items, _ = pair_items(tok, val_rows, args.max_len)
     if not items:

@@ -54,7 +54,7 @@ from rewards import Grader, grader_shapes
 from rollout import (add_rollout_flags, batch_logprobs, draw_prompts, kl_penalty, rollout_metrics, sample,
                      sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, settle_chat_template
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
 parser.add_argument("--init", default=None, help="actor (and reference) model folder or run dir (default: the SFT run)")
@@ -263,6 +263,7 @@ def main():
             critic_init = init
     # know before you OOM: the actor and the critic train; the reference and any grader model only run forward
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
+    settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
     policy, value = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(critic_init, head="scalar"))
     prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
     use_kl = args.kl_beta > 0 or args.kl_target is not None

@@ -67,7 +67,7 @@ from rewards import Grader, grader_shapes
 from rollout import (StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts, dynamic_sampling, kl_penalty,
                      overlong_penalty, rollout_metrics, sample, sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, settle_chat_template
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
 parser.add_argument("--init", default=None, help="model folder or run dir (default: the SFT run)")
@@ -340,6 +340,7 @@ def main():
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
+    settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
     G, local_prompts = args.group_size, args.prompts_per_step // dist.world_size
     # know before you OOM: the policy trains; the reference and any grader model only run forward
     policy = memory.Shape.of(load_config(init))

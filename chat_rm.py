@@ -42,7 +42,7 @@ from lora import add_lora_flags, lora_options
 from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches, pack_sequences
 from rewards import score
 from tasks import preference_pairs
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, settle_chat_template
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
@@ -219,6 +219,7 @@ def main():
         print0(warning)
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
+    settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     train_pairs, dropped = render_pairs(tok, train_rows, args.max_len)
     val_pairs, _ = render_pairs(tok, val_rows, args.max_len)
     if not train_pairs:

@@ -36,7 +36,7 @@ from evaluation import heldout_scores, scores_line
 from lora import add_lora_flags, lora_options
 from packing import IGNORE, check_batch_fits, epoch_batch, heldout_loss, make_batch, pack_bfd, sft_example
 from tasks import rl_prompts, sft_conversations
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, settle_chat_template
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
@@ -126,6 +126,7 @@ def main():
     device = dist.device
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"))
     tok = Tokenizer.load(init)
+    settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     # pass@1 on held-out problems: the embedded world's (a user's SFT rows have no answer key)
     eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training

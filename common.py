@@ -329,6 +329,10 @@ def add_run_flags(parser, stage: str):
     parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
     parser.add_argument("--save-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="the dtype checkpoints ship in (auto: the --init folder's; training stays float32)")
+    if stage != "base":  # base_train trains its own tokenizer, with our template
+        parser.add_argument("--chat-template", default="check", choices=("check", "ours", "theirs"),
+                            help="the template checkpoints ship: check (the --init folder's, if it renders the data "
+                            "as nanopost trains it; else stop), ours (nanopost's Qwen3 template), theirs (the folder's)")
 
 
 def start_run(args, stage: str, title: str):

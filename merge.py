@@ -54,6 +54,7 @@ import torch
 from checkpoint import resolve_model_path, safetensors_files
 from common import UserError, run_main
 from lora import adapter_chain, merged_updates
+from tokenizer import TOKENIZER_FILES
 
 # safetensors' names of the floating dtypes (the only ones an average means anything for)
 FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -63,8 +64,6 @@ ARCHITECTURE_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size",
                      "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                      "tie_word_embeddings")
 CHUNK_ELEMENTS = 2**24  # rows are merged in chunks of about 16M elements (64 MiB of float32)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 
 
 def read_safetensors_header(file: str) -> tuple[dict, int]:

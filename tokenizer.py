@@ -33,10 +33,12 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from common import UserError
+from common import UserError, print0
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -54,6 +56,9 @@ TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with f
 # The chat template of Qwen/Qwen3-8B's tokenizer_config.json, verbatim. render_text() reproduces it;
 # Tokenizer.save() ships it so that transformers renders our checkpoints the same way.
 QWEN3_CHAT_TEMPLATE = (Path(__file__).parent / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
+# A model folder's tokenizer files: Tokenizer.load keeps their bytes and save() writes them back unchanged.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
 
 # -----------------------------------------------------------------------------
@@ -200,8 +205,9 @@ def parse_tool_calls(text: str) -> list[dict]:
 class Tokenizer:
     """Byte-level BPE (a HF `tokenizers` model) plus the ChatML rendering that every stage uses."""
 
-    def __init__(self, tok: HFTokenizer):
+    def __init__(self, tok: HFTokenizer, files: dict[str, bytes] | None = None):
         self._tok = tok
+        self.files = files or {}  # the folder's tokenizer files as read (empty for a tokenizer we trained)
         for s in ("<|im_start|>", "<|im_end|>"):  # must be single added tokens, or ChatML cannot be rendered
             if tok.token_to_id(s) is None or self.encode(s) != [tok.token_to_id(s)]:
                 raise UserError(f"tokenizer has no {s} token: nanopost renders ChatML and needs <|im_start|> "
@@ -227,17 +233,29 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str | Path) -> "Tokenizer":
-        """From a tokenizer.json, or a folder holding one (ours, or a real checkpoint's as is)."""
+        """From a tokenizer.json, or a folder holding one (ours, or a real checkpoint's as is). A folder's
+        tokenizer files (TOKENIZER_FILES, additional_chat_templates/*.jinja) are kept byte for byte."""
         path = Path(path)
-        path = path / "tokenizer.json" if path.is_dir() else path
+        folder, path = (path, path / "tokenizer.json") if path.is_dir() else (None, path)
         if not path.is_file():
             raise UserError(f"no tokenizer.json at {path}")
-        return cls(HFTokenizer.from_file(str(path)))
+        files = {}
+        if folder is not None:
+            names = [*TOKENIZER_FILES, *(f"additional_chat_templates/{p.name}"
+                                         for p in sorted(folder.glob("additional_chat_templates/*.jinja")))]
+            files = {name: (folder / name).read_bytes() for name in names if (folder / name).is_file()}
+        return cls(HFTokenizer.from_file(str(path)), files)
 
     def save(self, folder: str | Path, model_max_length: int = 32768) -> None:
-        """tokenizer.json + tokenizer_config.json, loadable by transformers.AutoTokenizer."""
+        """The folder's files as they were read; for a tokenizer we trained, tokenizer.json +
+        tokenizer_config.json (with QWEN3_CHAT_TEMPLATE), loadable by transformers.AutoTokenizer."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        if self.files:
+            for name, data in self.files.items():
+                (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / name).write_bytes(data)
+            return
         self._tok.save(str(folder / "tokenizer.json"))
         added = {str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
                           "single_word": t.single_word, "special": t.special}
@@ -247,6 +265,43 @@ class Tokenizer:
                   "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
                   "model_max_length": model_max_length, "chat_template": QWEN3_CHAT_TEMPLATE}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    def _config(self, name: str = "tokenizer_config.json") -> dict:
+        try:
+            return json.loads(self.files[name]) if name in self.files else {}
+        except ValueError as e:
+            raise UserError(f"{name} of the tokenizer folder is not valid JSON: {e}") from None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template transformers applies to this folder: chat_template.jinja, else tokenizer_config.json's
+        (the "default" of a list of named ones); None if the folder has none."""
+        if not self.files:
+            return QWEN3_CHAT_TEMPLATE
+        if "chat_template.jinja" in self.files:
+            return self.files["chat_template.jinja"].decode("utf-8")
+        template = self._config().get("chat_template")
+        if isinstance(template, list):
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return template if isinstance(template, str) else None
+
+    def use_our_template(self) -> None:
+        """Put QWEN3_CHAT_TEMPLATE wherever the folder keeps its template (chat_template.jinja,
+        tokenizer_config.json, chat_template.json), or into chat_template.jinja if it keeps none."""
+        if not self.files:
+            return
+        for name in ("tokenizer_config.json", "chat_template.json"):
+            config = self._config(name)
+            if isinstance(config.get("chat_template"), list):
+                config["chat_template"] = [{**t, "template": QWEN3_CHAT_TEMPLATE} if t.get("name") == "default" else t
+                                           for t in config["chat_template"]]
+            elif "chat_template" in config:
+                config["chat_template"] = QWEN3_CHAT_TEMPLATE
+            else:
+                continue
+            self.files[name] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        if "chat_template.jinja" in self.files or self.chat_template is None:
+            self.files["chat_template.jinja"] = QWEN3_CHAT_TEMPLATE.encode("utf-8")
 
     @property
     def vocab_size(self) -> int:
@@ -311,6 +366,82 @@ class Tokenizer:
             lines = self.decode([i]).replace("\n", "↵\n").split("\n")  # a char split over tokens shows as �
             out.append("\n".join(style + line + "\033[0m" if line else "" for line in lines))
         return "".join(out)
+
+
+# -----------------------------------------------------------------------------
+# The folder's chat template against ours: what a served model will be prompted with
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled the way transformers compiles it (apply_chat_template)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent, **kw)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def conversations_of(rows: list[dict], tools: list[dict] | None = None
+                     ) -> list[tuple[int, list[dict], list | None, bool]]:
+    """(row index, messages, tools, add_generation_prompt) of every conversation a stage renders from its
+    rows: SFT's messages, both sides of a preference pair, KTO's prompt + completion, an RL prompt."""
+    out = []
+    for i, r in enumerate(rows):
+        row_tools = r.get("tools") or tools
+        if "messages" in r:
+            out.append((i, r["messages"], row_tools, False))
+        elif "chosen" in r:
+            out += [(i, r["prompt"] + r[side], row_tools, False) for side in ("chosen", "rejected")]
+        elif "completion" in r:
+            out.append((i, r["prompt"] + r["completion"], row_tools, False))
+        else:
+            out.append((i, r["prompt"], row_tools, True))
+    return out
+
+
+def first_difference(a: str, b: str, context: int = 40) -> tuple[str, str]:
+    """The two texts around where they first differ, newlines shown as \\n.
+    first_difference("abcX", "abcY", 2) -> ("bcX", "bcY")"""
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    cut = max(0, i - context)
+    return a[cut:i + context].replace("\n", "\\n"), b[cut:i + context].replace("\n", "\\n")
+
+
+def settle_chat_template(tok: Tokenizer, rows: list[dict], choice: str = "check", tools: list[dict] | None = None
+                         ) -> None:
+    """Decide which chat template the checkpoints ship (tok.save writes it). nanopost trains on its own
+    Qwen3 render (render_text); a folder whose template renders the stage's data otherwise would serve the
+    model a format it never saw. check: stop at the first conversation rendered differently; ours: ship
+    QWEN3_CHAT_TEMPLATE; theirs: keep the folder's, knowingly. A folder without a template gets ours."""
+    theirs = tok.chat_template
+    if theirs == QWEN3_CHAT_TEMPLATE:
+        return
+    if choice == "ours" or theirs is None:
+        tok.use_our_template()
+        print0("chat template: " + ("the folder has none; " if theirs is None else "--chat-template ours: ")
+               + "checkpoints ship nanopost's Qwen3 template, the one training renders with")
+        return
+    if choice == "theirs":
+        print0("chat template: --chat-template theirs keeps the folder's, which is not nanopost's: a served model "
+               "is prompted in a format that may differ from the one it is trained on")
+        return
+    special = {k: v for k, v in tok._config().items() if k.endswith("_token") and isinstance(v, str)}
+    fix = ("pass --chat-template ours to ship nanopost's template (the one training renders with), or "
+           "--chat-template theirs to keep the folder's knowingly")
+    try:
+        template = compile_chat_template(theirs)
+        for i, messages, row_tools, prompt in conversations_of(rows, tools):
+            ours = render_text(messages, tools=row_tools, add_generation_prompt=prompt)
+            rendered = template.render(messages=messages, tools=row_tools, add_generation_prompt=prompt, **special)
+            if rendered != ours:
+                a, b = first_difference(rendered, ours)
+                raise UserError(f"the --init folder's chat template renders training row {i + 1} otherwise than "
+                                f"nanopost's Qwen3 template, which training uses (theirs: ...{a}... ours: ...{b}...): "
+                                + fix)
+    except jinja2.exceptions.TemplateError as e:
+        raise UserError(f"the --init folder's chat template fails on the training data ({e}): {fix}") from None
+    print0(f"chat template: the folder's differs from nanopost's in text but renders all {len(rows)} rows the same; kept")
 
 
 # -----------------------------------------------------------------------------
