@@ -21,7 +21,7 @@ import time
 
 import torch
 
-import memory
+import peak_memory
 from checkpoint import load_model, resume_checkpoint, resume_step, save_checkpoint
 from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
                     check_finite, dist_info, fit_warmup, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
@@ -139,9 +139,9 @@ def main():
                        n_embd=args.n_embd, head_dim=args.n_embd // args.n_head, intermediate_size=4 * args.n_embd,
                        max_seq_len=args.max_seq_len, dtype=None if args.save_dtype == "auto" else args.save_dtype)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    memory.check(memory.estimate(trained=[memory.Shape.of(config)], micro_batch_tokens=args.device_batch_size * args.seq_len,
-                                 world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-                                 grad_checkpointing=args.grad_checkpointing), device)  # know before you OOM
+    peak_memory.check(peak_memory.estimate(trained=[peak_memory.Shape.of(config)],
+                                           micro_batch_tokens=args.device_batch_size * args.seq_len, world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
+                                           grad_checkpointing=args.grad_checkpointing), device)  # know before you OOM
     if ckpt:
         model = load_model(ckpt, fsdp=args.fsdp, save_dtype=args.save_dtype)
     else:

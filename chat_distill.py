@@ -43,7 +43,7 @@ import time
 
 import torch
 
-import memory
+import peak_memory
 from chat_rl import update_policy
 from checkpoint import load_config, load_model, load_training_state, resolve_model_path, resume_checkpoint, save_checkpoint
 from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
@@ -55,7 +55,8 @@ from engine import Engine
 from evaluation import heldout_scores
 from packing import micro_batches
 from rewards import Grader
-from rollout import CORRECTIONS, batch_logprobs, draw_prompts, sample, sampler_correction, training_batch
+from rollout import (CORRECTIONS, batch_logprobs, draw_prompts, prompt_length, prompts_per_rank, sample,
+                     sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import Tokenizer, settle_chat_template
 
@@ -173,6 +174,24 @@ def same_vocabulary(a, b) -> bool:
     return a.vocab_size == b.vocab_size and vocab_a == vocab_b
 
 
+# ------------------------------------------------------------------------------------------------
+# Know before you OOM
+
+def teacher_folder(args) -> str:
+    return resolve_model_path(args.teacher or os.path.join(nanopost_home(), "rl", "default"))
+
+
+def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict:
+    """This run's peak memory per device (peak_memory.estimate), from its flags, the student's and the
+    teacher's config.json and the longest prompt: what main prints before it loads the models, and `python
+    memory.py --init FOLDER distill [flags]` prints. The student trains, the teacher only runs forward."""
+    return peak_memory.rollout_estimate(
+        trained=[peak_memory.Shape.of(load_config(init))], frozen=[peak_memory.Shape.of(load_config(teacher_folder(args)))],
+        answers=args.prompts_per_step // world_size * args.samples_per_prompt, prompt_len=prompt_len,
+        max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
+        world_size=world_size, fsdp=args.fsdp, cuda=cuda, grad_checkpointing=args.grad_checkpointing)
+
+
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
@@ -182,25 +201,19 @@ def main():
         raise UserError(f"--discount {args.discount}: must be in [0, 1]")
     dist, out_dir, log = start_run(args, "distill", "chat_distill")
     device = dist.device
-    if args.prompts_per_step % dist.world_size:
-        raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
 
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    teacher_path = resolve_model_path(args.teacher or os.path.join(nanopost_home(), "rl", "default"))
+    teacher_path = teacher_folder(args)
     tok = Tokenizer.load(init)
     if not same_vocabulary(tok, Tokenizer.load(teacher_path)):
         raise UserError(f"--teacher {teacher_path}: its tokenizer differs from the student's ({init}); "
                         "distillation compares the log-probs of the same token ids")
-    S, local_prompts = args.samples_per_prompt, args.prompts_per_step // dist.world_size
-    student_shape, teacher_shape = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(teacher_path))
+    S, local_prompts = args.samples_per_prompt, prompts_per_rank(args.prompts_per_step, dist.world_size)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
-    prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
-    memory.check(memory.rollout_estimate(  # know before you OOM: the student trains, the teacher only runs forward
-        trained=[student_shape], frozen=[teacher_shape], answers=local_prompts * S, prompt_len=prompt_len,
-        max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
-        world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-        grad_checkpointing=args.grad_checkpointing), device)
+    prompt_len = prompt_length(tok, rows, tool_schemas)
+    peak_memory.check(memory_estimate(args, init, prompt_len=prompt_len, world_size=dist.world_size,
+                                      cuda=device.type == "cuda"), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype), fsdp=args.fsdp)

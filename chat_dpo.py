@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-import memory
+import peak_memory
 from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_step,
                         save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, fit_warmup, idle_pass, learning_rate,
@@ -149,6 +149,24 @@ def orpo_micro_loss(model, pairs, *, pad_id, capacity, pairs_per_step, chosen_to
     return loss, pair_stats(chosen, rejected, chosen_rewards, rejected_rewards)
 
 
+# ------------------------------------------------------------------------------------------------
+# Know before you OOM
+
+def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
+    """This run's peak memory per device (peak_memory.estimate), from its flags and init's config.json:
+    what main prints before it loads the model, and `python memory.py --init FOLDER dpo [flags]` prints.
+    A pass holds at most a step's pairs on this rank, both sides at --max-len; a live reference is a frozen
+    copy of the policy (none for ORPO, none with LoRA: the adapters off)."""
+    policy = peak_memory.Shape.of(load_config(init))
+    live_ref = args.ref == "live" and args.loss != "orpo" and not args.lora_rank
+    step_tokens = -(-args.batch_size // world_size) * 2 * args.max_len
+    return peak_memory.estimate(trained=[policy], frozen=[policy] * live_ref, lora_rank=args.lora_rank,
+                                micro_batch_tokens=min(args.micro_batch_tokens, step_tokens), world_size=world_size, fsdp=args.fsdp,
+                                cuda=cuda, grad_checkpointing=args.grad_checkpointing,
+                                sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
+                                sample_tokens=args.max_len)
+
+
 def main():
     args = parser.parse_args()
     orpo = args.loss == "orpo"
@@ -171,13 +189,7 @@ def main():
     tok = Tokenizer.load(init)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    policy = memory.Shape.of(load_config(init))  # know before you OOM
-    memory.check(memory.estimate(trained=[policy], frozen=[policy] * (args.ref == "live" and not orpo and not args.lora_rank),
-                                 lora_rank=args.lora_rank,
-                                 micro_batch_tokens=args.micro_batch_tokens, world_size=dist.world_size, fsdp=args.fsdp,
-                                 cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing,
-                                 sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
-                                 sample_tokens=args.max_len), device)
+    peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora_options(args)),
                        fsdp=args.fsdp)

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-import memory
+import peak_memory
 from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_step,
                         save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, fit_warmup, idle_pass, learning_rate,
@@ -108,6 +108,23 @@ def pairs_of_singles(singles):
     return [{"prompt": json.loads(p), "chosen": d[True], "rejected": d[False]} for p, d in by_prompt.items() if len(d) == 2]
 
 
+# ------------------------------------------------------------------------------------------------
+# Know before you OOM
+
+def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
+    """This run's peak memory per device (peak_memory.estimate), from its flags and init's config.json:
+    what main prints before it loads the model, and `python memory.py --init FOLDER kto [flags]` prints.
+    A pass holds at most a step's answers on this rank, each at --max-len."""
+    policy = peak_memory.Shape.of(load_config(init))
+    step_tokens = -(-args.batch_size // world_size) * args.max_len
+    return peak_memory.estimate(trained=[policy], frozen=[policy] * (args.ref == "live" and not args.lora_rank),
+                                lora_rank=args.lora_rank, micro_batch_tokens=min(args.micro_batch_tokens, step_tokens),
+                                world_size=world_size, fsdp=args.fsdp, cuda=cuda,
+                                grad_checkpointing=args.grad_checkpointing,
+                                sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
+                                sample_tokens=args.max_len)
+
+
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
@@ -125,13 +142,7 @@ def main():
     tok = Tokenizer.load(init)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    policy = memory.Shape.of(load_config(init))  # know before you OOM
-    memory.check(memory.estimate(trained=[policy], frozen=[policy] * (args.ref == "live" and not args.lora_rank),
-                                 lora_rank=args.lora_rank, micro_batch_tokens=args.micro_batch_tokens,
-                                 world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-                                 grad_checkpointing=args.grad_checkpointing,
-                                 sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
-                                 sample_tokens=args.max_len), device)
+    peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora_options(args)),
                        fsdp=args.fsdp)

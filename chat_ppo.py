@@ -37,7 +37,7 @@ import time
 
 import torch
 
-import memory
+import peak_memory
 from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
                         resume_checkpoint, save_checkpoint)
 from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
@@ -51,8 +51,8 @@ from evaluation import heldout_scores
 from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
-from rollout import (add_rollout_flags, batch_logprobs, draw_prompts, kl_penalty, rollout_metrics, sample,
-                     sampler_correction, training_batch)
+from rollout import (add_rollout_flags, batch_logprobs, draw_prompts, kl_penalty, prompt_length, prompts_per_rank,
+                     rollout_metrics, sample, sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import Tokenizer, settle_chat_template
 
@@ -230,6 +230,34 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
     return actor_loss, v_loss, stats
 
 
+# ------------------------------------------------------------------------------------------------
+# Know before you OOM
+
+def critic_folder(args, init) -> str:
+    """Where the critic starts: --critic-init, else the reward model of chat_rm.py, else the actor's folder."""
+    if args.critic_init is not None:
+        return resolve_model_path(args.critic_init)
+    try:
+        return resolve_model_path(os.path.join(nanopost_home(), "rm", "default"))
+    except UserError:
+        return init
+
+
+def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict:
+    """This run's peak memory per device (peak_memory.estimate), from its flags, the actor's and the critic's
+    config.json and the longest prompt: what main prints before it loads the models, and `python memory.py
+    --init FOLDER ppo [flags]` prints. The actor and the critic train; the reference and graders run forward."""
+    policy = peak_memory.Shape.of(load_config(init))
+    value = peak_memory.Shape.of(load_config(critic_folder(args, init), head="scalar"))
+    use_kl = args.kl_beta > 0 or args.kl_target is not None
+    return peak_memory.rollout_estimate(
+        trained=[policy, value], frozen=[policy] * (use_kl and not args.lora_rank) + grader_shapes(args.reward),
+        answers=args.prompts_per_step // world_size * args.samples_per_prompt, prompt_len=prompt_len,
+        max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
+        lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp, cuda=cuda,
+        grad_checkpointing=args.grad_checkpointing)
+
+
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
@@ -239,9 +267,7 @@ def main():
     device = dist.device
     if args.data and (warning := overlap_warning(rows, eval_rows)):  # the held-out rows should be new to training
         print0(warning)
-    if args.prompts_per_step % dist.world_size:
-        raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
-    local_prompts, S = args.prompts_per_step // dist.world_size, args.samples_per_prompt
+    local_prompts, S = prompts_per_rank(args.prompts_per_step, dist.world_size), args.samples_per_prompt
     if local_prompts * S < args.minibatches:
         raise UserError(f"each rank needs at least --minibatches answers per step ({local_prompts * S} < {args.minibatches})")
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
@@ -251,28 +277,18 @@ def main():
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     critic_ckpt = resume_checkpoint(os.path.join(out_dir, "critic")) if args.resume else None
     # 2: the critic, a value head on a GPT trunk; by default the reward model's (InstructGPT, Tülu 3)
-    if args.critic_init is not None:
-        critic_init = resolve_model_path(args.critic_init)
-    else:
-        try:
-            critic_init = resolve_model_path(os.path.join(nanopost_home(), "rm", "default"))
-        except UserError:
-            print0(f"no reward model at {os.path.join(nanopost_home(), 'rm', 'default')} (train one with chat_rm.py "
-                   f"to start the critic from it, as InstructGPT and Tülu 3 do); starting the critic from {init} "
-                   f"with a fresh value head")
-            critic_init = init
+    critic_init = critic_folder(args, init)
+    if critic_init == init and args.critic_init is None:
+        print0(f"no reward model at {os.path.join(nanopost_home(), 'rm', 'default')} (train one with chat_rm.py "
+               f"to start the critic from it, as InstructGPT and Tülu 3 do); starting the critic from {init} "
+               f"with a fresh value head")
     # know before you OOM: the actor and the critic train; the reference and any grader model only run forward
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
-    policy, value = memory.Shape.of(load_config(init)), memory.Shape.of(load_config(critic_init, head="scalar"))
-    prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
+    prompt_len = prompt_length(tok, rows, tool_schemas)
     use_kl = args.kl_beta > 0 or args.kl_target is not None
-    memory.check(memory.rollout_estimate(
-        trained=[policy, value], frozen=[policy] * (use_kl and not args.lora_rank) + grader_shapes(args.reward),
-        answers=local_prompts * S, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
-        minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens, lora_rank=args.lora_rank,
-        world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-        grad_checkpointing=args.grad_checkpointing), device)
+    peak_memory.check(memory_estimate(args, init, prompt_len=prompt_len, world_size=dist.world_size,
+                                      cuda=device.type == "cuda"), device)
     actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
                                   lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)
     # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (docs/lora.md)

@@ -50,7 +50,7 @@ import time
 
 import torch
 
-import memory
+import peak_memory
 from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
                         resume_checkpoint, save_checkpoint)
 from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
@@ -65,7 +65,7 @@ from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
 from rollout import (StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts, dynamic_sampling, kl_penalty,
-                     overlong_penalty, rollout_metrics, sample, sampler_correction, training_batch)
+                     overlong_penalty, prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import Tokenizer, settle_chat_template
 
@@ -304,6 +304,8 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, step, loss_s
 
 def update_settings(args) -> dict:
     """update_policy's settings from this script's flags: what main passes, and what the tests build."""
+    if args.dual_clip is not None and args.loss == "cispo":
+        raise UserError("--dual-clip bounds the PPO objective (--loss ppo); CISPO has none to bound")
     return dict(loss_settings=dict(eps_low=args.eps_low, eps_high=args.eps_high, dual_clip=args.dual_clip,
                                    level=args.level, agg=args.agg, loss_type=args.loss, max_len=args.max_new_tokens),
                 kl_beta=args.kl_beta, kl_kind=args.kl_kind, entropy_coef=args.entropy_coef,
@@ -323,10 +325,21 @@ def idle_warning(steps: int, ungradable_frac: float) -> str:
             f"--reward verifier+0.1*format, a larger --group-size or --temperature, or easier prompts")
 
 
+def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict:
+    """Know before you OOM: the peak memory per device that main prints (and `python memory.py --init FOLDER rl`):
+    the policy trains; the reference (kl_beta > 0, not LoRA) and grader models only run forward."""
+    policy = peak_memory.Shape.of(load_config(init))
+    return peak_memory.rollout_estimate(
+        trained=[policy], frozen=[policy] * (args.kl_beta > 0 and not args.lora_rank) + grader_shapes(args.reward),
+        answers=args.prompts_per_step // world_size * args.group_size, prompt_len=prompt_len,
+        max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
+        lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp, cuda=cuda,
+        grad_checkpointing=args.grad_checkpointing)
+
+
 def main():
     args = parser.parse_args()
-    if args.dual_clip is not None and args.loss == "cispo":
-        raise UserError("--dual-clip bounds the PPO objective (--loss ppo); CISPO has none to bound")
+    settings = update_settings(args)  # the update's settings, their flags checked before any model is looked for
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     rows, eval_rows = rl_rows(args.data, args.eval_data, eval_problems=args.eval_problems,
                               num_prompts=args.num_prompts, seed=args.seed)
@@ -334,23 +347,14 @@ def main():
     device = dist.device
     if args.data and (warning := overlap_warning(rows, eval_rows)):  # the held-out rows should be new to training
         print0(warning)
-    if args.prompts_per_step % dist.world_size:
-        raise UserError(f"--prompts-per-step {args.prompts_per_step} must be a multiple of the number of ranks ({dist.world_size})")
 
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
     tok = Tokenizer.load(init)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
-    G, local_prompts = args.group_size, args.prompts_per_step // dist.world_size
-    # know before you OOM: the policy trains; the reference and any grader model only run forward
-    policy = memory.Shape.of(load_config(init))
-    prompt_len = max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:256])
-    memory.check(memory.rollout_estimate(
-        trained=[policy], frozen=[policy] * (args.kl_beta > 0 and not args.lora_rank) + grader_shapes(args.reward),
-        answers=local_prompts * G, prompt_len=prompt_len, max_new_tokens=args.max_new_tokens,
-        minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens, lora_rank=args.lora_rank,
-        world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-        grad_checkpointing=args.grad_checkpointing), device)
+    G, local_prompts = args.group_size, prompts_per_rank(args.prompts_per_step, dist.world_size)
+    peak_memory.check(memory_estimate(args, init, prompt_len=prompt_length(tok, rows, tool_schemas),
+                                      world_size=dist.world_size, cuda=device.type == "cuda"), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
@@ -370,7 +374,6 @@ def main():
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sampling = dict(max_new_tokens=args.max_new_tokens, tool_schemas=tool_schemas, max_tool_turns=args.max_tool_turns,
                     **logits_settings)
-    settings = update_settings(args)
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {G} answers per step on {dist.world_size} rank(s); reward {args.reward}")
 
@@ -390,8 +393,7 @@ def main():
         return rollouts
 
     def sample_step(sampler, step):
-        """The rollouts of one step, dynamic sampling included, drawn by `sampler` (whose weights are built
-        once for all the rounds)."""
+        """One step's rollouts, dynamic sampling included, drawn by `sampler` (its weights built once)."""
         with sampler.prepared():
             return dynamic_sampling(lambda round_, n: sample_round(sampler, step, round_, n), local_prompts,
                                     1 + (args.max_resample if args.dynamic_sampling else 0))

@@ -28,7 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-import memory
+import peak_memory
 from checkpoint import (load_config, load_lm_head, load_model, resolve_model_path, resume_checkpoint, resume_step,
                         save_checkpoint)
 from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
@@ -200,6 +200,21 @@ def evaluate_pairs(model, pairs, batch_size=32):
     return m
 
 
+# ------------------------------------------------------------------------------------------------
+# Know before you OOM
+
+def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
+    """This run's peak memory per device (peak_memory.estimate), from its flags and init's config.json:
+    what main prints before it loads the model, and `python memory.py --init FOLDER rm [flags]` prints.
+    A pass holds at most a step's pairs on this rank, both sides at --max-len; the LM regularizer
+    (--lm-coef) runs the vocabulary head on the answers."""
+    shape = peak_memory.Shape.of(load_config(init, head="lm" if args.lm_coef else "scalar"))
+    step_tokens = -(-args.batch_size // world_size) * 2 * args.max_len
+    return peak_memory.estimate(trained=[shape], lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp,
+                                micro_batch_tokens=min(args.micro_batch_tokens, step_tokens), cuda=cuda,
+                                grad_checkpointing=args.grad_checkpointing)
+
+
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
@@ -237,9 +252,7 @@ def main():
     args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], micro_batch_tokens=args.micro_batch_tokens,
-                                 world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
-                                 grad_checkpointing=args.grad_checkpointing, lora_rank=args.lora_rank), device)  # know before you OOM
+    peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # a fresh score head starts at 0: every reward 0 at step 0
     # float32 master weights (LoRA: a frozen base in the compute dtype, float32 adapters and score head)
     model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp, save_dtype=args.save_dtype,

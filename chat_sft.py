@@ -25,7 +25,7 @@ import os
 
 import torch
 
-import memory
+import peak_memory
 from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_step, save_checkpoint
 from common import (Default, UserError, add_run_flags, all_reduce_sum, autocast, check_finite, fit_warmup,
                     learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb,
@@ -113,6 +113,17 @@ def build_rows(examples, seq_len, packing):
     return [[i] for i in range(len(examples))]
 
 
+# ------------------------------------------------------------------------------------------------
+# Know before you OOM
+
+def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
+    """This run's peak memory per device (peak_memory.estimate), from its flags and init's config.json:
+    what main prints before it loads the model, and `python memory.py --init FOLDER sft [flags]` prints."""
+    return peak_memory.estimate(trained=[peak_memory.Shape.of(load_config(init))], lora_rank=args.lora_rank,
+                                micro_batch_tokens=args.device_batch_size * args.seq_len, world_size=world_size,
+                                fsdp=args.fsdp, cuda=cuda, grad_checkpointing=args.grad_checkpointing)
+
+
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
@@ -156,10 +167,7 @@ def main():
     args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
-    memory.check(memory.estimate(trained=[memory.Shape.of(load_config(init))], world_size=dist.world_size,
-                                 micro_batch_tokens=args.device_batch_size * args.seq_len, fsdp=args.fsdp,
-                                 cuda=device.type == "cuda", grad_checkpointing=args.grad_checkpointing,
-                                 lora_rank=args.lora_rank), device)
+    peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
                                   lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)

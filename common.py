@@ -444,7 +444,7 @@ _RSS_AT_START = _rss_bytes()  # the interpreter, torch and the libraries: what n
 
 def peak_memory_mb(device):
     """Peak memory of this run, in MiB: on CUDA the peak allocated device memory; on CPU the peak resident
-    memory of the process above what it held once torch was imported (comparable to memory.estimate)."""
+    memory of the process above what it held once torch was imported (comparable to peak_memory.estimate)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _RSS_AT_START) / 2**20  # Linux: KiB
@@ -521,7 +521,9 @@ def fit_warmup(warmup_steps: int, total_steps: int) -> int:
 
 
 def lr_at(step, total_steps, base_lr, warmup_steps=0, final_ratio=0.1):
-    """Linear warmup, then cosine decay to final_ratio * base_lr at the last step."""
+    """The learning rate of step (0-based): linear warmup to base_lr over warmup_steps steps, then cosine decay
+    toward final_ratio * base_lr, reached at step total_steps (one past the last; final_ratio 1: constant).
+    Example: total 5, base 1, warmup 2, final 0.1 -> steps 0-4: 0.5, 1.0, 1.0, 0.775, 0.325 (step 5: 0.1)."""
     if step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)

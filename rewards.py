@@ -32,7 +32,7 @@ import sandbox
 from checkpoint import load_config, load_hf, resolve_model_path
 from common import UserError, autocast, compute_dtype
 from engine import Engine
-from memory import Shape
+from peak_memory import Shape
 from packing import pack_sequences
 from tokenizer import Tokenizer
 
@@ -387,7 +387,7 @@ def parse_reward(spec: str) -> list[tuple[float, str]]:
 
 def grader_shapes(reward_spec: str) -> list[Shape]:
     """The shapes of the models among --reward's graders (rm:PATH, judge:PATH), frozen on every rank: what
-    memory.estimate counts for them."""
+    peak_memory.estimate counts for them."""
     return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1])))
             for _, name in parse_reward(reward_spec) if ":" in name]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import autocast, idle_pass
+from common import UserError, autocast, idle_pass
 from packing import IGNORE, micro_batches
 
 
@@ -127,6 +127,19 @@ def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperat
     grades = grader(answer_rows, answer_prompts, completions)
     return Rollouts(answer_rows, answer_prompts, completions, grades.total, grades.parts, grades.errors,
                     samples_per_prompt, grades.counts)
+
+
+def prompts_per_rank(prompts_per_step: int, world_size: int) -> int:
+    """Each rank's share of a step's prompts; the step must split evenly."""
+    if prompts_per_step % world_size:
+        raise UserError(f"--prompts-per-step {prompts_per_step} must be a multiple of the number of ranks ({world_size})")
+    return prompts_per_step // world_size
+
+
+def prompt_length(tok, rows, tool_schemas=None, n=256) -> int:
+    """The longest rendered prompt among the first n rows: what a rollout stage sizes its engine and its
+    memory estimate for."""
+    return max(len(tok.render_for_completion(r["prompt"], tools=r.get("tools") or tool_schemas)) for r in rows[:n])
 
 
 def draw_prompts(rows, n, *, seed, step, rank, round_=0):

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (STAGE_LAYER): they import any library module, and one another's functions, never in a circle.
 LAYERS = {
     "model": 0, "common": 0, "tasks": 0, "sandbox": 0,    # import nothing of ours
-    "lora": 1, "tokenizer": 1, "memory": 1, "packing": 1,
+    "lora": 1, "tokenizer": 1, "peak_memory": 1, "packing": 1,
     "checkpoint": 2, "engine": 2,
     "rewards": 3, "rollout": 3,
     "data": 4, "evaluation": 4,
@@ -22,7 +22,7 @@ LAYERS = {
 }
 STAGE_LAYER = 6
 STAGES = ("base_train", "chat_cli", "chat_distill", "chat_dpo", "chat_eval", "chat_kto", "chat_ppo", "chat_rl",
-          "chat_rm", "chat_sample", "chat_sft", "merge")
+          "chat_rm", "chat_sample", "chat_sft", "memory", "merge")
 # Imports allowed inside a function, by module: sandbox.py's child process runs the file itself, and a
 # top-level subprocess or ctypes would be loaded into the untrusted program's interpreter; optional
 # dependencies are imported where they are used, so that a user without them never needs them.
