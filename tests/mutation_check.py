@@ -44,6 +44,7 @@ class Mutant:
 
 RL, DPO, SFT, RM, PPO = "tests/test_rl.py::", "tests/test_dpo.py::", "tests/test_sft.py::", "tests/test_rm.py::", "tests/test_ppo.py::"
 UPDATE = RL + "test_update_applies_the_gradient_of_the_flags_objective"
+SAMPLED = RL + "test_the_update_trains_the_distribution_sampled_from_with_its_sampler_weights"
 
 MUTANTS = [
     # sampling
@@ -199,6 +200,43 @@ MUTANTS = [
            "    elif optimizer is not None:\n        if sharded:", "    elif False:\n        if sharded:",
            ("tests/test_resume.py::test_killed_run_resumes_exactly[sft]",),
            "a resumed run starts AdamW afresh instead of loading its moments"),
+    # round two (#31): the settings that must reach the update, the schedule, the resumed RNG
+    Mutant("rl-update-ignores-temperature", "chat_rl.py",
+           "    logits_settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)",
+           "    logits_settings = dict(temperature=1.0, top_k=top_k, top_p=top_p)",
+           (SAMPLED + "[temperature_0.7]",),
+           "the update's log-probs at T = 1 while the answers were sampled at 0.7: the first ratio is not 1"),
+    Mutant("rl-settings-drop-top-p", "chat_rl.py",
+           "grad_clip=args.grad_clip, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)",
+           "grad_clip=args.grad_clip, temperature=args.temperature, top_k=args.top_k, top_p=None)",
+           (SAMPLED + "[top-p_0.3]",),
+           "--top-p samples the answers but never reaches update_policy"),
+    Mutant("rl-sampler-weights-dropped", "chat_rl.py",
+           "weights=None if weights is None else weights[i, :cols], **loss_settings)",
+           "weights=None, **loss_settings)",
+           (SAMPLED + "[correction_token-tis]",),
+           "the sampler correction is computed and logged, never applied to the objective"),
+    Mutant("warmup-starts-at-zero", "common.py",
+           "return base_lr * (step + 1) / warmup_steps", "return base_lr * step / warmup_steps",
+           ("tests/test_schedule.py::test_lr_at_follows_the_formula_step_by_step",),
+           "the first step trains at lr 0 and the warmup peaks one step late"),
+    Mutant("sft-final-lr-ratio-ignored", "chat_sft.py",
+           "lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)",
+           "lr = lr_at(step, total_steps, args.lr, args.warmup_steps)",
+           ("tests/test_schedule.py::test_sft_logs_the_schedule_it_was_given",),
+           "--final-lr-ratio is parsed and printed, and the decay ends at the default 0.1 anyway"),
+    Mutant("resume-without-torch-rng", "checkpoint.py",
+           '    torch.set_rng_state(s["torch"])', '    torch.get_rng_state()',
+           ("tests/test_resume.py::test_killed_run_resumes_exactly[sft-lora-dropout]",),
+           "a resumed run draws other LoRA dropout masks than the uninterrupted one would"),
+    Mutant("rslora-scale-ignored", "lora.py",
+           '    if cfg.get("use_rslora"):', '    if False:',
+           ("tests/test_lora.py::test_peft_loads_ours_and_we_load_peft",),
+           "a PEFT rsLoRA adapter loads at alpha / r instead of alpha / sqrt(r)"),
+    Mutant("llama-lora-q-unscaled", "engine.py",
+           "None if qk_gain is not None else [scale, 1, 1]", "None",
+           ("tests/test_lora.py::test_the_engine_samples_what_the_trainer_computes_with_random_adapters[llama]",),
+           "without QK-norm the engine folds 1/sqrt(d) into W_q but not into the q adapter's B"),
     Mutant("ddp-averages-gradients", "common.py",
            "return dist.all_reduce(bucket.buffer(), async_op=True)",
            "return dist.all_reduce(bucket.buffer().div_(dist.get_world_size()), async_op=True)",

@@ -109,19 +109,21 @@ def test_peft_loads_ours_and_we_load_peft(tok, base_dir, tmp_path):
     pm = peft.PeftModel.from_pretrained(hf, out).eval()
     with torch.no_grad():
         torch.testing.assert_close(pm(x).logits, model(x), atol=1e-5, rtol=1e-5)
-        # PEFT's own: made by peft on the transformers model, loaded here merged (--init) and unmerged (resume)
-        hf2 = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-        made = peft.get_peft_model(hf2, peft.LoraConfig(r=2, lora_alpha=5, target_modules=["k_proj", "up_proj"],
-                                                        task_type="CAUSAL_LM"))
-        for n, p in made.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn_like(p) * 0.05)
-        theirs = str(tmp_path / "theirs")
-        made.save_pretrained(theirs)
-        want = made(x).logits
-        for resume in (False, True):
-            ours = load_model(theirs, lora=options(resume=True)) if resume else load_model(theirs)
-            torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)
+        # PEFT's own: made by peft on the transformers model, loaded here merged (--init) and unmerged (resume);
+        # rsLoRA scales by alpha / sqrt(r) (at r = 4 half of alpha / r's 2x), which a plain LoRA load would miss
+        for rslora in (False, True):
+            hf2 = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+            made = peft.get_peft_model(hf2, peft.LoraConfig(r=4, lora_alpha=5, target_modules=["k_proj", "up_proj"],
+                                                            task_type="CAUSAL_LM", use_rslora=rslora))
+            for n, p in made.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn_like(p) * 0.05)
+            theirs = str(tmp_path / f"theirs{'-rslora' * rslora}")
+            made.save_pretrained(theirs)
+            want = made(x).logits
+            for resume in (False, True):
+                ours = load_model(theirs, lora=options(resume=True)) if resume else load_model(theirs)
+                torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_engine_equals_trainer_in_bfloat16_on_a_small_update(tok, tmp_path):
@@ -316,3 +318,35 @@ def test_reward_model_adapter_loads_in_peft(tok, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(pm(x).logits[0, 0], model(x)[0, -1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(load_model(str(tmp_path / "ad"), head="scalar")(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["qwen3", "llama"])
+def test_the_engine_samples_what_the_trainer_computes_with_random_adapters(tok, tmp_path, llama):
+    """Adapters with a random B (not PEFT's zero start) on every layer, in the engine's fused decode step and
+    in the trainer's forward, float32: the engine's log-probs of its own samples equal the trainer's. A Llama
+    shape (no QK-norm, untied head, Llama-3 rope scaling) takes other paths through both than Qwen3's."""
+    extra = dict(arch="llama", qk_norm=False, tie_word_embeddings=False,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 64}) if llama else {}
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                       intermediate_size=96, max_seq_len=256, **extra)
+    save_hf(GPT(config), str(tmp_path / "base"), tok)
+    model = load_hf(str(tmp_path / "base"), lora=options(rank=4, alpha=8.0))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, LoRALinear):
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.1)
+    prompts = [tok.render_for_completion([{"role": "user", "content": q}]) for q in ("What is 3 + 4?", "Hi")]
+    outs = Engine(model, tok).generate(prompts, num_samples=2, max_new_tokens=12, seed=0)
+    for i, o in enumerate(outs):
+        p = prompts[i // 2]
+        ids = torch.tensor([p + o.tokens])
+        tgt = torch.full_like(ids, -100)
+        tgt[0, len(p) - 1:-1] = ids[0, len(p):]
+        with torch.no_grad():
+            lp = model(ids, tgt)[0, len(p) - 1:-1]
+            with adapters_off(model):
+                assert (lp - model(ids, tgt)[0, len(p) - 1:-1]).abs().max() > 1e-2  # the adapters matter
+        torch.testing.assert_close(torch.tensor(o.logprobs), lp, atol=2e-4, rtol=1e-4)

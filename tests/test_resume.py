@@ -39,9 +39,10 @@ def stage_args(stage, init):
     if stage == "base":
         return "base_train.py", BASE_TINY + ["--steps", "12", "--save-every", "3"], ["loss", "grad_norm"], 12, 3
     common = ["--init", init]
-    if stage == "sft":
+    if stage in ("sft", "sft-lora-dropout"):  # LoRA dropout: the only draw from torch's RNG in a step
+        lora = ["--lora-rank", "4", "--lora-dropout", "0.1", "--lr", "1e-3"] if stage != "sft" else []
         return "chat_sft.py", common + ["--num-train", "96", "--num-val", "8", "--eval-problems", "0", "--steps", "12",
-                                        "--batch-size", "8", "--save-every", "3"], ["loss", "grad_norm"], 12, 3
+                                        "--batch-size", "8", "--save-every", "3", *lora], ["loss", "grad_norm"], 12, 3
     if stage == "rm":
         return "chat_rm.py", common + ["--num-train", "96", "--num-val", "8", "--steps", "12", "--batch-size", "8",
                                        "--eval-every", "1000", "--save-every", "3"], ["loss", "grad_norm"], 12, 3
@@ -107,16 +108,17 @@ def assert_same(a, b, keys, tol=1e-6):
 
 
 @pytest.mark.parametrize("stage", [pytest.param(s, marks=[] if s == "sft" else pytest.mark.slow)
-                                   for s in ["base", "sft", "rm", "dpo", "rl", "ppo"]])  # sft: the quick tier's
-def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):
+                                   for s in ["base", "sft", "sft-lora-dropout", "rm", "dpo", "rl", "ppo"]])
+def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):  # sft: the quick tier's
     script, args, keys, steps, every = stage_args(stage, tiny_chat)
+    folder = stage.split("-")[0]  # the stage's directory under $NANOPOST_HOME
     r = subprocess.run(command(script, args), env=run_env(tmp_path / "a"), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    reference = metrics_by_step(tmp_path / "a", stage, keys)
+    reference = metrics_by_step(tmp_path / "a", folder, keys)
     assert sorted(reference) == list(range(1, steps + 1))
     home = tmp_path / "b"
-    run_killed_then_resumed(command(script, args), command(script, args + ["--resume"]), home, stage, 2 * every)
-    resumed = metrics_by_step(home, stage, keys)
+    run_killed_then_resumed(command(script, args), command(script, args + ["--resume"]), home, folder, 2 * every)
+    resumed = metrics_by_step(home, folder, keys)
     assert_same(reference, resumed, keys)  # every step ran (verl#5725), with identical numbers (verl#7933)
     if stage == "rl":  # the training clock is part of the saved state: it continues, it does not restart
         clock = metrics_by_step(home, stage, ["train_seconds"])  # steps to the kill, then the resumed ones

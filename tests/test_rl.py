@@ -597,6 +597,84 @@ def test_update_applies_the_gradient_of_the_flags_objective(flags):
         torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
 
 
+def sampled_logp(model, inputs, targets, temperature=1.0, top_k=None, top_p=None):
+    """log p(target) under the distribution sampled from, written from its definition: logits / temperature;
+    top-k keeps the k most likely tokens; top-p keeps, from the most likely down, each token while the tokens
+    above it hold less than top_p of the mass. One position at a time, in plain Python."""
+    logits = model(inputs).float() / temperature                     # (B, T, V)
+    out = torch.zeros(targets.shape)
+    for b in range(targets.size(0)):
+        for t in range(targets.size(1)):
+            if targets[b, t] < 0:
+                continue
+            row = logits[b, t]
+            ranked = sorted(range(row.numel()), key=lambda v: -float(row[v].detach()))
+            keep = ranked[:top_k] if top_k else ranked
+            if top_p is not None:
+                p, mass, kept = row[keep].detach().softmax(-1), 0.0, []
+                for v, pv in zip(keep, p.tolist()):
+                    if mass >= top_p:
+                        break
+                    kept.append(v)
+                    mass += pv
+                keep = kept
+            tgt = int(targets[b, t])
+            assert tgt in keep, "a sampled token is inside the kept set"
+            out[b, t] = row[tgt] - torch.logsumexp(row[keep], -1)
+    return out
+
+
+def greedy_batch(model, n=6):
+    """Prompts and completions whose every token is the model's argmax: inside any top-k or top-p set."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 50, (k,), generator=g).tolist() for k in (3, 5, 2)]
+    comps = []
+    with torch.no_grad():
+        for i, length in enumerate((4, 2, 5, 1, 3, 4)[:n]):
+            seq = list(prompts[i // 2])
+            for _ in range(length):
+                seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
+            toks = seq[len(prompts[i // 2]):]
+            comps.append(Completion(i // 2, tokens=toks, logprobs=[-1.0] * length, mask=[1] * length,
+                                    finish_reason="stop"))
+    return prompts, comps, group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0]), 2)
+
+
+@pytest.mark.parametrize("argv", [["--temperature", "0.7"], ["--temperature", "0.7", "--top-k", "5"],
+                                  ["--top-p", "0.3"], ["--temperature", "1.3", "--top-k", "8", "--top-p", "0.5"],
+                                  ["--correction", "token-tis"]], ids=lambda a: "_".join(x.lstrip("-") for x in a))
+def test_the_update_trains_the_distribution_sampled_from_with_its_sampler_weights(argv):
+    """--temperature, --top-k and --top-p reach the update's log-probs (the snapshot taken there gives a first
+    ratio of exactly 1), and non-trivial sampler weights (--correction) multiply each token's term: the
+    gradient update_policy hands the optimizer is that of the objective written from the definitions."""
+    import chat_rl
+    model = tiny_policy()
+    prompts, comps, adv = greedy_batch(model)
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    args = chat_rl.parser.parse_args(["--ppo-epochs", "1", "--minibatches", "1", "--micro-batch-tokens", "16",
+                                      "--grad-clip", "0", "--max-new-tokens", "8", *argv])
+    logits = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    with torch.no_grad():
+        old = sampled_logp(model, b.inputs, b.targets, **logits)
+    weights = None
+    if args.correction != "none":  # an engine that disagrees with the trainer by up to +-0.5 per token
+        engine = old + (torch.rand(old.shape, generator=torch.Generator().manual_seed(4)) - 0.5) * b.mask
+        weights = sampler_correction(old, engine, b.mask, args.correction, cap=args.tis_cap)
+        assert weights[b.mask > 0].std() > 0.1  # not all 1
+    assert len(micro_batches(b.lengths, 16)) > 1
+    opt = RecordingOptimizer(model)
+    totals = chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, weights=weights, step=0,
+                                   **chat_rl.update_settings(args))
+    assert totals["clip_frac"] == 0 and totals["ratio"] == pytest.approx(totals["tokens"], abs=1e-4)  # r = 1
+    r = torch.exp(sampled_logp(model, b.inputs, b.targets, **logits) - old)
+    per_tok = -torch.minimum(r * adv[:, None], r.clamp(0.8, 1.28) * adv[:, None])
+    if weights is not None:
+        per_tok = per_tok * weights
+    want = torch.autograd.grad((per_tok * b.mask).sum() / b.mask.sum(), opt.params)
+    for got, w in zip(opt.steps[0], want):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
+
+
 def test_kl_kinds_give_different_gradients_to_the_weights():
     """So the test above can tell which estimator reached the weights: on the same batch, k1, k2 and k3 differ."""
     prompts, comps, adv = synthetic_batch()
