@@ -198,7 +198,7 @@ MUTANTS = [
     # resume, DDP
     Mutant("resume-without-optimizer-state", "checkpoint.py",
            "    elif optimizer is not None:\n        if sharded:", "    elif False:\n        if sharded:",
-           ("tests/test_resume.py::test_killed_run_resumes_exactly[sft]",),
+           ("tests/test_resume.py::test_killed_run_resumes_exactly[sft-lora-dropout]",),
            "a resumed run starts AdamW afresh instead of loading its moments"),
     # round two (#31): the settings that must reach the update, the schedule, the resumed RNG
     Mutant("rl-update-ignores-temperature", "chat_rl.py",

@@ -81,6 +81,7 @@ def _evaluate(rank, world, port, folder, out):
     cleanup_dist()
 
 
+@pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
 def test_evaluation_on_two_ranks_equals_one_process(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(rewards, "verify", even_code_sum)
     torch.manual_seed(0)

@@ -151,6 +151,7 @@ def _rank(rank, world, init_file, out_dir):
     cleanup_dist()  # collects the DDP wrapper first (else gloo can abort at teardown)
 
 
+@pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
 def test_two_ranks_equal_one(tmp_path):
     import torch.multiprocessing as mp
     single = distill_grad(range(6))
@@ -204,7 +205,8 @@ def distill_run(home, student, teacher, *extra, nproc=1):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("mode,nproc", [("on-policy", 1), ("kd", 1), pytest.param("on-policy", 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mode,nproc", [("on-policy", 1), pytest.param("kd", 1, marks=pytest.mark.slow),
+                                       pytest.param("on-policy", 2, marks=pytest.mark.slow)])
 def test_distillation_moves_the_student_towards_the_teacher(tmp_path, models, mode, nproc):
     rows = distill_run(tmp_path, *models, "--mode", mode, nproc=nproc)
     steps = [r for r in rows if "loss" in r]

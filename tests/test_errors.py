@@ -107,6 +107,7 @@ def one_line_error_or_launcher(r):
     return errors[0]
 
 
+@pytest.mark.slow
 def test_eval_problems_zero_skips_evaluation_in_rl_and_ppo(tmp_path, tiny_chat):
     for script, extra in (("chat_rl.py", ["--group-size", "2"]), ("chat_ppo.py", ["--critic-init", tiny_chat])):
         r = run(tmp_path, script, "--init", tiny_chat, "--eval-problems", "0", "--steps", "1", "--prompts-per-step", "2",

@@ -283,6 +283,7 @@ def test_rl_on_an_sft_adapter_then_merge(sft_home, tok, tmp_path):
         torch.testing.assert_close(load_model(merged)(x), load_model(rl)(x))  # --init ADAPTER: merged the same way
 
 
+@pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_two_ranks_equal_one(sft_home, tmp_path, fsdp):
     run("chat_sft.py", ["--init", str(sft_home / "base"), "--steps", "2", "--save-every", "2", *SFT]

@@ -104,6 +104,7 @@ def test_a_real_model_gets_a_real_lr(tmp_path, real_vocab_folder):
         assert json.loads(f.readline())["lr"] == 1e-5
 
 
+@pytest.mark.slow
 def test_memory_py_without_arguments_prints_the_tables_of_what_fits_where():
     r = subprocess.run([sys.executable, os.path.join(REPO, "memory.py")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Qwen3" in r.stdout and "8B" in r.stdout and "LoRA rank 32" in r.stdout, r.stderr

@@ -170,6 +170,7 @@ print(json.dumps(growth))
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="measures the peak with Linux's /proc")
+@pytest.mark.slow  # a memory drill
 def test_memory_stays_near_one_tensor(tmp_path):
     """Two folders of 128 MB (8 float32 tensors of 16 MB): a merge's peak resident memory grows by about the
     float32 sum and the input of one tensor (32 MB), not a folder; with chunks of 1 MB rows, by 2 chunks."""

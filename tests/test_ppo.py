@@ -243,6 +243,7 @@ def _rank(rank, world, init_file, out_dir):
     cleanup_dist()  # collects the DDP wrapper first (else gloo can abort at teardown)
 
 
+@pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
 def test_two_ranks_with_uneven_lengths_equal_one_rank(tmp_path):
     prompts, comps, scores = synthetic_batch()
     single = grads_of(prompts, comps, scores)

@@ -107,9 +107,9 @@ def assert_same(a, b, keys, tol=1e-6):
             assert math.isclose(a[step][k], b[step][k], rel_tol=tol, abs_tol=tol), (step, k, a[step][k], b[step][k])
 
 
-@pytest.mark.parametrize("stage", [pytest.param(s, marks=[] if s == "sft" else pytest.mark.slow)
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=[] if s == "sft-lora-dropout" else pytest.mark.slow)
                                    for s in ["base", "sft", "sft-lora-dropout", "rm", "dpo", "rl", "ppo"]])
-def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):  # sft: the quick tier's
+def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):  # sft-lora-dropout: the quick tier's
     script, args, keys, steps, every = stage_args(stage, tiny_chat)
     folder = stage.split("-")[0]  # the stage's directory under $NANOPOST_HOME
     r = subprocess.run(command(script, args), env=run_env(tmp_path / "a"), capture_output=True, text=True, timeout=300)

@@ -273,7 +273,8 @@ def _rank(rank, world, init_file, out_dir, agg):
     cleanup_dist()  # collects the DDP wrapper first (else gloo can abort at teardown)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("agg", ["token-mean"] + [pytest.param(a, marks=pytest.mark.slow)  # token-mean: quick tier
+                                 for a in ("seq-mean-token-mean", "seq-mean-token-sum-norm")])
 def test_two_ranks_with_uneven_lengths_equal_one_rank(tmp_path, agg):
     prompts, comps, adv = synthetic_batch()
     single = grad_of(tiny_policy(), prompts, comps, adv, agg)
@@ -410,6 +411,7 @@ def _fsdp_rank(rank, world, init_file, out_dir):
     cleanup_dist()  # collects the DDP wrapper first (else gloo can abort at teardown)
 
 
+@pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
 def test_fsdp_update_on_two_ranks_equals_one_process(tmp_path):
     from safetensors.torch import load_file
     single = fsdp_update_run(0, 1, tmp_path / "one")

@@ -54,6 +54,7 @@ def test_a_fresh_run_refuses_an_old_runs_checkpoints_and_overwrite_replaces_them
     assert r.returncode == 0 and "sft/default @ step 2" in r.stdout, r.stdout + r.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_to_delete_an_input_and_resume_with_overwrite_is_ambiguous(tmp_path, tiny_chat):
     assert run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--steps", "1", *SFT).returncode == 0
     inside = str(tmp_path / "sft" / "default" / "checkpoints" / "step_000001")
