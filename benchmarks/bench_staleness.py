@@ -2,9 +2,10 @@
 The staleness experiment (chat_rl.py --staleness, --correction, --off-policy): how much does it cost to
 train on answers sampled by weights K steps old, and does the sampler correction win it back?
 
-Runs chat_rl.py from one SFT checkpoint once per configuration, each one process with the same time
-budget, one at a time (each under `flock LOCK` when --lock is given, so other heavy jobs can interleave),
-then prints one table row per run from its metrics.jsonl:
+Runs chat_rl.py from one SFT checkpoint once per configuration, each one process with the same number of
+steps (or, with --time-budget, the same seconds of training: off-policy's case is speed), one at a time
+(each under `flock LOCK` when --lock is given, so other heavy jobs can interleave), then prints one table
+row per run from its metrics.jsonl:
 
     staleness K in {0, 1, 4} x --correction {token-tis, none}, synchronous
     --off-policy (the next batch sampled in a thread while this one trains) vs synchronous, token-tis
@@ -15,7 +16,8 @@ pass@1 at the end (greedy, and at T=1 from --pass-k samples); and the ratio stat
 |log p_trainer - log p_sampler| per token), correction_mean (the correction's mean weight), clip_frac and
 ratio_mean of the updates; the staleness histogram (steps at each staleness).
 
-    python benchmarks/bench_staleness.py --init /work/pipe/sft/default --time-budget 90 --lock /tmp/nanopost-heavy.lock
+    python benchmarks/bench_staleness.py --init /work/pipe/sft/default --steps 40 --lock /tmp/nanopost-heavy.lock
+    OVERWRITE=1 python benchmarks/bench_staleness.py ...    # replace the runs of an earlier call
     python benchmarks/bench_staleness.py --table-only       # print the table of the runs already there
 
 Runs are written under $NANOPOST_HOME/rl/stale-<name>/ (named in the first column).
@@ -90,7 +92,8 @@ def print_table(names):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--init", default=None, help="the SFT model folder or run dir (default: chat_rl.py's)")
-    ap.add_argument("--time-budget", type=float, default=90, help="seconds of training per run")
+    ap.add_argument("--steps", type=int, default=40, help="steps per run (the same on any machine)")
+    ap.add_argument("--time-budget", type=float, default=0, help="seconds of training per run instead (0: off)")
     ap.add_argument("--prompts-per-step", type=int, default=16, help="small steps, so a short run has many")
     ap.add_argument("--runs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--lock", default=None, help="run each training under `flock LOCK`")
@@ -103,7 +106,8 @@ def main():
     if not args.table_only:
         for name in names:
             cmd = [sys.executable, os.path.join(REPO, "chat_rl.py"), "--run-name", f"stale-{name}",
-                   "--steps", "1000", "--time-budget", str(args.time_budget), "--prompts-per-step",
+                   "--steps", str(1000 if args.time_budget else args.steps), "--time-budget", str(args.time_budget),
+                   *(["--overwrite"] if os.environ.get("OVERWRITE") == "1" else []), "--prompts-per-step",
                    str(args.prompts_per_step), "--eval-every", "100000", "--save-every", "100000",
                    *(["--init", args.init] if args.init else []), *CONFIGS[name], *extra]
             if args.lock:
