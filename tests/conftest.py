@@ -26,3 +26,19 @@ def scripted_models_decode_themselves(monkeypatch):
     monkeypatch.setattr(engine, "decode_step", lambda model, tokens, cache, weights: (
         type(model).decode_step(model, tokens, cache, weights) if hasattr(type(model), "decode_step")
         else fused(model, tokens, cache, weights)))
+
+
+@pytest.fixture(scope="session")
+def lab_home(tmp_path_factory):
+    """A $NANOPOST_HOME holding what the lab's experiments start from (runs/cpu.sh's base, SFT and reward-model
+    runs), shrunk to seconds as tests/test_pipeline.py shrinks the main job; without the calculator, whose tool
+    prompt overflows a 400-token vocabulary's 512 positions."""
+    import subprocess
+    from test_pipeline import PIPELINE, REPO
+    home = tmp_path_factory.mktemp("lab_home")
+    env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
+    for _, script, args in PIPELINE[:3]:  # base, SFT, RM
+        r = subprocess.run([sys.executable, os.path.join(REPO, script), *args], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, f"{script}: {r.stderr[-3000:]}"
+    return home

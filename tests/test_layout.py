@@ -43,6 +43,10 @@ def modules():
 def imports(name):
     """[(imported module, line, inside a function?)] of REPO/name.py: import statements and importlib calls."""
     tree = ast.parse(open(os.path.join(REPO, name + ".py"), encoding="utf-8").read())
+    return imports_of_tree(tree)
+
+
+def imports_of_tree(tree):
     found = []
 
     def visit(node, in_function):
@@ -123,3 +127,25 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     assert ("a", 2, False) in imports("b")
     with pytest.raises(AssertionError, match="circle"):
         test_no_circle()
+
+
+LAB = os.path.join(REPO, "lab")
+
+
+def lab_scripts():
+    return sorted(f[:-3] for f in os.listdir(LAB) if f.endswith(".py")) if os.path.isdir(LAB) else []
+
+
+@pytest.mark.parametrize("name", lab_scripts())
+def test_lab_scripts_sit_on_top(name):
+    """lab/ is above the stages: an experiment imports any module of ours and lab/labkit.py, nothing of ours
+    imports lab/, and each experiment stays a short script (a stage's budget)."""
+    with open(os.path.join(LAB, name + ".py"), encoding="utf-8") as f:
+        source = f.read()
+    for target, line, in_function in imports_of_tree(ast.parse(source)):
+        assert not in_function or target.split(".")[0] == "matplotlib", \
+            f"lab/{name}.py:{line} imports {target} inside a function; import it at the top of the file"
+    assert source.count("\n") <= STAGE_LINES, f"lab/{name}.py is over {STAGE_LINES} lines: a lab script is short"
+    for m in modules():
+        for target, line, _ in imports(m):
+            assert target.split(".")[0] not in set(lab_scripts()), f"{m}.py:{line} imports lab/{target}"
