@@ -64,8 +64,9 @@ from evaluation import heldout_scores
 from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
-from rollout import (StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts, dynamic_sampling, kl_penalty,
-                     overlong_penalty, prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
+from rollout import (IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts, dynamic_sampling,
+                     idle_warning, kl_penalty, overlong_penalty, prompt_length, prompts_per_rank, rollout_metrics, sample,
+                     sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import Tokenizer, settle_chat_template
 
@@ -312,17 +313,6 @@ def update_settings(args) -> dict:
                 mask_kl_coef=args.mask_kl_coef if args.correction == "token-mask" else 0.0, target_kl=args.target_kl,
                 ppo_epochs=args.ppo_epochs, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
                 grad_clip=args.grad_clip, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
-
-IDLE_PATIENCE = 3  # steps in a row with no gradient before the run says so
-
-
-def idle_warning(steps: int, ungradable_frac: float) -> str:
-    """What a run that learns nothing is told: every group's answers scored alike (so every advantage is 0)."""
-    return (f"warning: {steps} steps in a row learned nothing: in every group all answers got the same reward, so "
-            f"every advantage is 0 and so is the gradient. {ungradable_frac:.0%} of the answers had no final answer "
-            f"the verifier can read (count/ungradable). Try: SFT on answers in the verifier's format first, "
-            f"--reward verifier+0.1*format, a larger --group-size or --temperature, or easier prompts")
 
 
 def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict:

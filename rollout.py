@@ -176,6 +176,17 @@ def dynamic_sampling(sample_round, need, max_rounds):
     return Rollouts.concat(kept), {"groups": groups, "flat": flat}
 
 
+IDLE_PATIENCE = 3  # steps in a row with no gradient before the run says so
+
+
+def idle_warning(steps: int, ungradable_frac: float) -> str:
+    """What a run that learns nothing is told: every group's answers scored alike (so every advantage is 0)."""
+    return (f"warning: {steps} steps in a row learned nothing: in every group all answers got the same reward, so "
+            f"every advantage is 0 and so is the gradient. {ungradable_frac:.0%} of the answers had no final answer "
+            f"the verifier can read (count/ungradable). Try: SFT on answers in the verifier's format first, "
+            f"--reward verifier+0.1*format, a larger --group-size or --temperature, or easier prompts")
+
+
 def overlong_penalty(length, max_len, buffer, penalty=1.0):
     """DAPO's soft overlong punishment: 0 up to max_len - buffer, then linear down to -penalty at max_len."""
     if buffer <= 0 or length <= max_len - buffer:
