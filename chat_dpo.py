@@ -195,7 +195,8 @@ def main():
                        fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:
         train_rows = sampled_pairs(model, tok, num_prompts=args.num_train, samples=args.samples,
-                                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                   tools=args.tools)
     settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     items, counts = pair_items(tok, train_rows, args.max_len)
     val_items, _ = pair_items(tok, val_rows, args.max_len)

@@ -148,7 +148,8 @@ def main():
                        fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:
         train_rows = sampled_pairs(model, tok, num_prompts=args.num_train, samples=args.samples,
-                                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed)
+                                   temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                   tools=args.tools)
     if "label" not in train_rows[0]:  # pairs (the embedded world's, or sampled): two labeled answers each
         train_rows = [single for r in train_rows for single in kto_rows(r)]
     settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train

@@ -16,9 +16,9 @@ from engine import Engine
 from evaluation import evaluate_chat, paired_change, scores_line
 from lora import adapters_off, add_lora_flags
 from packing import IGNORE, pack_sequences, sft_example
-from rewards import answer_text, verify
-from tasks import rl_prompts
-from tokenizer import completion_message
+from rewards import Grader
+from sampled_data import build_rows, sample_groups
+from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 
 
 def add_preference_flags(parser, stage):
@@ -42,7 +42,7 @@ def add_preference_flags(parser, stage):
     parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out pair evaluations")
     parser.add_argument("--eval-problems", type=int, default=500, help="embedded-world held-out problems sampled greedily at the start and the end (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--tools", action="store_true", help="evaluate pass@1 with the calculator offered (as chat_rl.py --tools)")
+    parser.add_argument("--tools", action="store_true", help="the calculator offered: in the pass@1 evaluation and in --pairs on-policy sampling (as chat_rl.py --tools)")
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--compile", action="store_true")
     add_run_flags(parser, stage)  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, ...
@@ -124,32 +124,23 @@ def pair_items(tok, rows, max_len):
     return items, counts
 
 
-def on_policy_rows(model, tok, prompt_rows, samples, temperature, max_new_tokens, seed, batch_size=32):
-    """Preference pairs from the policy itself: sample `samples` answers per prompt, grade each with the
-    row's verifier, pair the first correct one with the first incorrect one. Prompts where all answers
-    agree teach nothing and are skipped; answers cut at the length limit are not used. Each rank samples
-    its share of the prompts, and every rank gets all the pairs."""
+def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tokens, seed, tools=False,
+                   batch_size=32):
+    """Preference pairs from the policy itself: sample `samples` answers per prompt (with the calculator when
+    `tools`), grade each with the row's verifier, and pair the first correct finished answer with the first
+    incorrect one (sampled_data.preference_pair). Prompts whose answers all agree teach nothing and are
+    skipped; answers cut at the length limit are not used. Each rank samples its share of the prompts, and
+    every rank gets all the pairs, in prompt order."""
     info = dist_info()
-    engine = Engine(unwrap(model), tok)
-    rows = []
-    with engine.prepared():  # the sampler's weights, once (a collective under FSDP2: every rank calls it)
-        outputs = [(s, engine.generate([tok.render_for_completion(r["prompt"]) for r in prompt_rows[s:s + batch_size]],
-                                       num_samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
-                                       seed=seed + s))
-                   for s in list(range(0, len(prompt_rows), batch_size))[info.rank::info.world_size]]
-    for s, outs in outputs:
-        chunk = prompt_rows[s:s + batch_size]
-        for i, r in enumerate(chunk):
-            good, bad = [], []
-            for o in outs[i * samples:(i + 1) * samples]:
-                if o.finish_reason != "stop":
-                    continue
-                text = tok.decode(o.tokens[:-1])  # without the final <|im_end|>
-                (good if verify(r["verifier"], answer_text(text), r["ground_truth"]) == 1.0 else bad).append(text)
-            if good and bad:
-                rows.append({"prompt": r["prompt"], "chosen": [completion_message(good[0])],
-                             "rejected": [completion_message(bad[0])], "kind": "on-policy"})
-    return [row for part in all_gather_objects(rows) for row in part]
+    schemas = [CALCULATOR_SCHEMA] if tools else None
+    engine = Engine(unwrap(model), tok, tools=TOOLS if tools else None)
+    groups = sample_groups(engine, prompt_rows, Grader("verifier", tok), samples=samples, batch_size=batch_size,
+                           seed=seed, rank=info.rank, world_size=info.world_size, max_new_tokens=max_new_tokens,
+                           temperature=temperature, tool_schemas=schemas)
+    merged = {p: g for part in all_gather_objects(groups) for p, g in part.items()}
+    _, pairs, _ = build_rows(prompt_rows, merged, tools=schemas)
+    return [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"], "kind": "on-policy",
+             **({"tools": p["tools"]} if "tools" in p else {})} for p in pairs]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,11 +182,11 @@ def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
 # ------------------------------------------------------------------------------------------------
 # What DPO's and KTO's loops share
 
-def sampled_pairs(model, tok, *, num_prompts, samples, temperature, max_new_tokens, seed):
+def sampled_pairs(model, tok, *, num_prompts, samples, temperature, max_new_tokens, seed, tools=False):
     """--pairs on-policy: pairs sampled from the starting policy, before any update (on_policy_rows)."""
     prompts = rl_prompts("train", num_prompts, seed=seed)
     rows = on_policy_rows(model, tok, prompts, samples=samples, temperature=temperature,
-                          max_new_tokens=max_new_tokens, seed=seed)
+                          max_new_tokens=max_new_tokens, seed=seed, tools=tools)
     print0(f"on-policy: {len(rows)} pairs from {len(prompts)} prompts x {samples} samples")
     if not rows:
         raise UserError("--pairs on-policy: no prompt had both a correct and an incorrect answer, nothing to "

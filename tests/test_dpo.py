@@ -17,7 +17,7 @@ from packing import IGNORE
 from preferences import completion_example, completion_logps, on_policy_rows, pair_items, reference_logps
 from model import GPT, GPTConfig
 from data import kto_rows, load_kto
-from tasks import preference_pairs, rl_prompts
+from tasks import CALCULATOR_SCHEMA, preference_pairs, rl_prompts
 from checkpoint import save_hf
 
 torch.set_num_threads(1)
@@ -190,13 +190,34 @@ def test_on_policy_pairs_a_correct_with_an_incorrect_answer(tok, monkeypatch):
     from engine import Completion
 
     def fake_generate(self, prompt_ids, num_samples, **kw):
-        return [Completion(i, tokens=tok.encode(answers[i][j]) + [tok.eos_id], finish_reason="stop")
-                for i in range(len(prompt_ids)) for j in range(num_samples)]
+        return [Completion(i, tokens=(t := tok.encode(answers[i][j]) + [tok.eos_id]), mask=[1] * len(t),
+                           finish_reason="stop") for i in range(len(prompt_ids)) for j in range(num_samples)]
     monkeypatch.setattr("engine.Engine.generate", fake_generate)
     rows = on_policy_rows(tiny_model(tok), tok, prompts, samples=2, temperature=1.0, max_new_tokens=8, seed=0)
     assert len(rows) == 2
     assert rows[0]["chosen"][0]["content"] == answers[0][1] and rows[0]["rejected"][0]["content"] == answers[0][0]
     assert rows[1]["prompt"] == prompts[2]["prompt"]
+
+
+def test_on_policy_pairs_with_tools_are_sampled_and_trained_with_the_calculator_offered(tok, monkeypatch):
+    """--pairs on-policy --tools: the engine samples from prompts that offer the calculator, and the pairs carry
+    the schemas, so DPO trains on exactly the prompt the answers were sampled from."""
+    prompts = rl_prompts("train", 1)
+    seen = []
+    from engine import Completion
+
+    def fake_generate(self, prompt_ids, num_samples, **kw):
+        seen.extend(prompt_ids)
+        texts = [f"#### {prompts[0]['ground_truth']}", "#### 0"]
+        return [Completion(0, tokens=(t := tok.encode(texts[j]) + [tok.eos_id]), mask=[1] * len(t),
+                           finish_reason="stop") for j in range(num_samples)]
+    monkeypatch.setattr("engine.Engine.generate", fake_generate)
+    rows = on_policy_rows(tiny_model(tok), tok, prompts, samples=2, temperature=1.0, max_new_tokens=8, seed=0,
+                          tools=True)
+    assert seen == [tok.render_for_completion(prompts[0]["prompt"], tools=[CALCULATOR_SCHEMA])]
+    assert len(rows) == 1 and rows[0]["tools"] == [CALCULATOR_SCHEMA]
+    [(chosen, _, _)], _ = pair_items(tok, rows, 1024)
+    assert chosen[0][:len(seen[0])] == seen[0]  # the training prompt is the sampling prompt
 
 
 def summed_logps(m, examples):

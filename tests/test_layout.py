@@ -17,7 +17,7 @@ LAYERS = {
     "lora": 1, "tokenizer": 1, "peak_memory": 1, "packing": 1,
     "checkpoint": 2, "engine": 2,
     "rewards": 3, "rollout": 3,
-    "data": 4, "evaluation": 4,
+    "data": 4, "evaluation": 4, "sampled_data": 4,
     "decontaminate": 5, "preferences": 5,
 }
 STAGE_LAYER = 6

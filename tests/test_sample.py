@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from chat_sample import build_rows, keep_answers, preference_pair, sample_groups, write_jsonl
+from chat_sample import write_jsonl
+from sampled_data import build_rows, keep_answers, preference_pair, sample_groups
 from model import GPT, GPTConfig
 from data import load_preferences, load_sft
 from tasks import rl_prompts
