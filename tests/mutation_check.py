@@ -223,7 +223,7 @@ MUTANTS = [
     Mutant("sft-final-lr-ratio-ignored", "chat_sft.py",
            "lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)",
            "lr = lr_at(step, total_steps, args.lr, args.warmup_steps)",
-           ("tests/test_schedule.py::test_sft_logs_the_schedule_it_was_given",),
+           ("tests/test_schedule.py::test_every_stage_follows_its_schedule_decay_and_clip_flags[sft]",),
            "--final-lr-ratio is parsed and printed, and the decay ends at the default 0.1 anyway"),
     Mutant("resume-without-torch-rng", "checkpoint.py",
            '    torch.set_rng_state(s["torch"])', '    torch.get_rng_state()',
