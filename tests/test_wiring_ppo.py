@@ -117,7 +117,7 @@ def expected_snapshot(args, folders, rollouts, batch, ref_model):
     [], ["--kl-kind", "k2"], ["--kl-kind", "k3"], ["--kl-beta", "0.3"], ["--gamma", "0.9"], ["--lam", "0.5"],
     ["--no-whiten"], ["--value-clip", "0.001"], ["--value-clip", "0"], ["--entropy-coef", "0.1"],
     ["--eps-low", "0.01"], ["--eps-high", "0.01"], ["--truncated-reward", "-0.5"], ["--samples-per-prompt", "3"],
-    ["--temperature", "0.7"], ["--max-new-tokens", "6"], ["--tools"],
+    ["--temperature", "0.7"], ["--top-k", "5"], ["--top-p", "0.5"], ["--max-new-tokens", "6"], ["--tools"],
     ["--max-tool-turns", "2"], ["--prompts-per-step", "3"], ["--grad-clip", "0.5"], ["--tis-cap", "0.5"], ["--correction", "sequence-tis", "--tis-cap", "0.5"],
     ["--correction", "token-mask", "--mask-eps", "-1"],
 ], ids=lambda f: "_".join(x.lstrip("-") for x in f) or "defaults")

@@ -71,7 +71,7 @@ def overlong(length, max_len, buffer, penalty):
     ["--scale", "batch"], ["--scale", "none"], ["--group-size", "2"], ["--tis-cap", "0.5"],
     ["--correction", "sequence-tis", "--tis-cap", "0.5"], ["--correction", "token-mask", "--mask-eps", "-1"],
     ["--correction", "none"], ["--temperature", "0.7"], ["--top-k", "5"], ["--top-p", "0.5"], ["--kl-beta", "0.1"],
-    ["--kl-beta", "0.1", "--temperature", "0.7"], ["--no-dynamic-sampling"], ["--max-resample", "0"],
+    ["--kl-beta", "0.1", "--temperature", "0.7"], ["--kl-beta", "0.1", "--top-k", "5"], ["--no-dynamic-sampling"], ["--max-resample", "0"],
     ["--max-new-tokens", "6"], ["--tools"], ["--max-tool-turns", "2"], ["--prompts-per-step", "3"],
 ], ids=lambda f: "_".join(x.lstrip("-") for x in f) or "defaults")
 def test_each_flag_reaches_the_update(monkeypatch, tmp_path, chat, flags):
