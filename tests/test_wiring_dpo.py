@@ -19,8 +19,8 @@ from model import GPT, GPTConfig
 from packing import IGNORE
 from tasks import preference_pairs
 
-BASE = ["--num-train", "16", "--num-val", "4", "--eval-problems", "0", "--steps", "2", "--batch-size", "4",
-        "--lr", "1e-2", "--warmup-steps", "0", "--micro-batch-tokens", "100000", "--save-every", "100"]
+BASE = ["--num-train", "8", "--num-val", "2", "--eval-problems", "0", "--steps", "2", "--batch-size", "2",
+        "--max-len", "256", "--lr", "1e-2", "--warmup-steps", "0", "--micro-batch-tokens", "100000", "--save-every", "100"]
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +102,8 @@ SHIFT = torch.tensor([0.5, 2.0])  # KTO's reference log-probs, lowered: of each 
 def kto_case(monkeypatch, home, chat, *flags):
     """A KTO run whose reference log-probs sit below the starting policy's (by SHIFT), precomputed or live: the
     reference point (the partners' mean log-ratio, at least 0) is then about 2 rather than clamped at 0, and
-    the answers' log-ratios are not 0 at step 1."""
-    argv = ["--init", chat, *BASE, "--seed", "3", "--lr", "1e-4", *flags]  # seed 3: good and bad answers in step 2
+    the answers' log-ratios are not 0 at step 1. Seed 3: good and bad answers in step 2's batch of 4."""
+    argv = ["--init", chat, *BASE, "--seed", "3", "--lr", "1e-4", "--batch-size", "4", "--num-train", "16", *flags]
     args = chat_kto.parser.parse_args(argv)
     start = loaded(chat)
     real = chat_kto.reference_of
@@ -141,12 +141,14 @@ def test_kto_flags_reach_the_loss_and_the_reference_point(monkeypatch, tmp_path,
     assert any(goods) and not all(goods)  # both labels in the step the weights are checked on
 
 
-@pytest.mark.parametrize("stage", ["dpo", "kto"])
-@pytest.mark.parametrize("flags", [[], ["--samples", "3"], ["--temperature", "0.7"], ["--max-new-tokens", "9"],
-                                   ["--num-train", "12"], ["--seed", "2"]],
-                         ids=lambda f: "_".join(x.lstrip("-") for x in f) or "defaults")
-def test_pairs_on_policy_samples_with_the_flags_and_trains_on_what_it_sampled(monkeypatch, tmp_path, chat, flags,
-                                                                              stage):
+PAIRS_FLAGS = [[], ["--samples", "3"], ["--temperature", "0.7"], ["--max-new-tokens", "9"], ["--num-train", "12"],
+               ["--seed", "2"]]
+
+
+@pytest.mark.parametrize("stage, flags", [("dpo", f) for f in PAIRS_FLAGS] + [("kto", f) for f in PAIRS_FLAGS[:3]],
+                         ids=lambda v: v if isinstance(v, str) else "_".join(x.lstrip("-") for x in v) or "defaults")
+def test_pairs_on_policy_samples_with_the_flags_and_trains_on_what_it_sampled(monkeypatch, tmp_path, chat, stage,
+                                                                              flags):
     """--pairs on-policy: the pairs are sampled from the starting policy, --num-train prompts x --samples answers
     at --temperature and --max-new-tokens (the sampler stands in here: a tiny random model answers nothing right),
     and what it returns is what trains."""

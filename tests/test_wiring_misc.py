@@ -1,7 +1,8 @@
-"""What the loops draw from, against its definition: a step's rows (packing.epoch_batch: every epoch a new
-permutation of all the rows, a pure function of seed and step) and a rank's prompts (rollout.draw_prompts: a
-pure function of seed, step, round and rank, so ranks train on different prompts); merge.py's --dtype, a real
-run of its main (tests/inprocess.py); memory.py's --nproc; and --data / --eval-data of every training stage."""
+"""What the loops draw from and report, against the definitions: a step's rows (packing.epoch_batch: every epoch a
+new permutation of all the rows, a pure function of seed and step), a rank's prompts (rollout.draw_prompts: a pure
+function of seed, step, round and rank, so ranks train on different prompts), the rows --data and --eval-data make
+train and hold out, and the held-out evaluation's problems and sampling settings, in every stage that has them (a
+real run of main, tests/inprocess.py); merge.py's --dtype; memory.py's --nproc."""
 import importlib
 import json
 import os
@@ -10,8 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import evaluation
 import memory
 import merge
+import preferences
 from inprocess import run_stage, spy
 from packing import epoch_batch
 from rollout import draw_prompts
@@ -105,3 +108,53 @@ def test_data_and_eval_data_are_the_rows_each_stage_trains_and_holds_out(monkeyp
     key = "messages" if stage == "sft" else "completion" if stage == "kto" else "prompt"
     assert [r[key] for r in train] == [r[key] for r in want_train]
     assert [r[key] for r in held] == [r[key] for r in want_held]
+
+
+EVAL_RUNS = {  # stage: its module, the flags of a one-step run that evaluates held-out problems before and after
+    "sft": ("chat_sft", ["--num-train", "24", "--num-val", "4", "--batch-size", "4", "--device-batch-size", "4"]),
+    "dpo": ("chat_dpo", ["--num-train", "8", "--num-val", "2", "--batch-size", "4"]),
+    "kto": ("chat_kto", ["--num-train", "8", "--num-val", "2", "--batch-size", "4"]),
+    "rl": ("chat_rl", ["--num-prompts", "8", "--prompts-per-step", "2", "--group-size", "2"]),
+    "ppo": ("chat_ppo", ["--num-prompts", "8", "--prompts-per-step", "2"]),
+    "distill": ("chat_distill", ["--teacher", "{init}", "--num-prompts", "8", "--prompts-per-step", "2"]),
+}
+EVAL_FLAGS = [["--temperature", "0.7"], ["--top-k", "5"], ["--top-p", "0.5"], ["--pass-k", "3"], ["--tools"],
+              ["--eval-problems", "3"], ["--max-new-tokens", "5"]]
+SAMPLING = ("--temperature", "--top-k", "--top-p")  # DPO's and KTO's --temperature is --pairs on-policy's
+
+
+def evaluates(stage, flag):
+    parser = importlib.import_module(EVAL_RUNS[stage][0]).parser
+    return flag in parser._option_string_actions and (stage not in ("dpo", "kto") or flag not in SAMPLING)
+
+
+@pytest.mark.parametrize("stage, flags", [(stage, flags) for stage in sorted(EVAL_RUNS) for flags in EVAL_FLAGS
+                                          if evaluates(stage, flags[0])],
+                         ids=lambda v: v if isinstance(v, str) else "_".join(x.lstrip("-") for x in v))
+def test_held_out_evaluation_samples_as_the_flags_say(monkeypatch, tmp_path, tiny_chat, stage, flags):
+    """A stage's held-out evaluation (before and after training; SFT's after): --eval-problems problems answered
+    greedily, and where the stage has --pass-k that many answers each, sampled from the training distribution
+    (--temperature, --top-k, --top-p; SFT's at temperature 1), with the calculator under --tools."""
+    module_name, extra = EVAL_RUNS[stage]
+    module = importlib.import_module(module_name)
+    own = module.parser._option_string_actions
+    argv = ["--init", tiny_chat, "--steps", "1", "--max-new-tokens", "3", "--eval-problems", "2", "--save-every", "100",
+            *(["--pass-k", "2"] if "--pass-k" in own else []), *[f.format(init=tiny_chat) for f in extra], *flags]
+    args = module.parser.parse_args(argv)
+    calls = spy(monkeypatch, evaluation, "evaluate_chat")
+    through_preferences = spy(monkeypatch, preferences, "evaluate_chat")  # DPO's and KTO's
+    run_stage(monkeypatch, tmp_path, module, *argv)
+    calls = calls + through_preferences
+    problems = rl_prompts("test", args.eval_problems, seed=args.seed)
+    pass_k = getattr(args, "pass_k", 0)
+    greedy = [c for c in calls if c.kwargs.get("num_samples", 1) == 1 and c.args[2] == problems]
+    sampled = [c for c in calls if pass_k > 1 and c.kwargs.get("num_samples", 1) == pass_k and c.args[2] == problems]
+    # before and after (SFT: after; distillation also evaluates the teacher at the start)
+    assert len(greedy) >= (1 if stage == "sft" else 2) and len(sampled) == (len(greedy) if pass_k > 1 else 0)
+    for c in greedy:
+        assert c.kwargs.get("temperature", 0.0) == 0.0
+    for c in sampled + greedy:
+        assert c.kwargs["use_tools"] == args.tools and c.kwargs["max_new_tokens"] == args.max_new_tokens
+    for c in sampled:
+        assert (c.kwargs["temperature"], c.kwargs.get("top_k"), c.kwargs.get("top_p")) == \
+            (getattr(args, "temperature", 1.0), getattr(args, "top_k", None), getattr(args, "top_p", None))

@@ -66,12 +66,13 @@ def kept(rewards, texts, finished, keep, max_per_prompt, threshold):
 @pytest.mark.parametrize("flags", [
     [], ["--samples", "6"], ["--temperature", "0.7"], ["--top-k", "5"], ["--top-p", "0.5"], ["--max-new-tokens", "9"],
     ["--seed", "2"], ["--batch-size", "2"], ["--threshold", "0.5"], ["--keep", "best"], ["--keep", "all"],
-    ["--max-per-prompt", "2"], ["--reward", "verifier"], ["--tools", "--max-tool-turns", "2"], ["--data", "{data}"],
+    ["--max-per-prompt", "1"], ["--reward", "verifier"], ["--tools", "--max-tool-turns", "2"], ["--data", "{data}"],
 ], ids=lambda f: "_".join(x.lstrip("-") for x in f if "{" not in x) or "defaults")
 def test_sample_flags_reach_the_engine_and_the_files(monkeypatch, tmp_path, chat, tok, flags):
     data = tmp_path / "prompts.jsonl"  # --data: a file of RL rows, its first --num-prompts sampled
     data.write_text("".join(json.dumps(r) + "\n" for r in rl_prompts("train", 5, seed=7)))
-    argv = ["--init", chat, "--num-prompts", str(PROMPTS), "--samples", "4", "--reward", "verifier+0.5*format",
+    argv = ["--init", chat, "--num-prompts", str(PROMPTS), "--samples", "4", "--max-per-prompt", "3",
+            "--reward", "verifier+0.5*format",
             "--out", str(tmp_path / "sft.jsonl"), "--pairs-out", str(tmp_path / "pairs.jsonl"),
             *[f.format(data=data) for f in flags]]
     args = chat_sample.parser.parse_args(argv)

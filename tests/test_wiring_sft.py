@@ -5,6 +5,7 @@ against the definitions: AdamW decays the matrices by --weight-decay and nothing
 --grad-clip, --overlong crop keeps the long conversations cut to --seq-len, --packing none gives each conversation
 a padded row of its own, --epochs sets the number of steps, the --lora-* flags shape the adapters; base_train
 builds the model its flags describe."""
+import copy
 import math
 
 import pytest
@@ -95,22 +96,37 @@ def test_optimizer_step_clips_the_gradient_to_grad_clip(grad_clip):
 
 
 def test_base_train_builds_the_model_its_flags_describe(monkeypatch, tmp_path, tok):
+    """base_train's flags: the model's shape (its config, field by field), the documents, the rows of --seq-len,
+    AdamW's decay; and the loss of step 1 is each packed document's own, recomputed here one document at a time."""
     tok.save(tmp_path / "tok")
     argv = ["--tokenizer", str(tmp_path / "tok"), "--n-layer", "2", "--n-embd", "48", "--n-head", "4", "--n-kv-head",
-            "2", "--max-seq-len", "96", "--num-docs", "60", "--seq-len", "64", "--batch-size", "2",
-            "--device-batch-size", "2", "--steps", "1", "--eval-problems", "0", "--warmup-steps", "1"]
+            "2", "--max-seq-len", "256", "--num-docs", "60", "--seq-len", "256", "--batch-size", "4",
+            "--device-batch-size", "4", "--steps", "1", "--eval-problems", "0", "--warmup-steps", "1"]
     args = base_train.parser.parse_args(argv)
-    opt = spy(monkeypatch, base_train, "make_optimizer")
+    start = spy(monkeypatch, base_train, "make_optimizer", before=lambda model, *a: copy.deepcopy(model.state_dict()))
     docs = spy(monkeypatch, base_train, "documents")
     batches = spy(monkeypatch, base_train, "make_batch")
-    run_stage(monkeypatch, tmp_path / "home", base_train, *argv)
+    rows = run_stage(monkeypatch, tmp_path / "home", base_train, *argv)
     c = load_hf(str(tmp_path / "home" / "base" / "default" / "checkpoints" / "step_000001")).config
-    assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.max_seq_len) == (2, 48, 4, 2, 96)
+    assert (c.n_layer, c.n_embd, c.n_head, c.n_kv_head, c.max_seq_len) == (2, 48, 4, 2, 256)
     assert c.head_dim == 48 // 4 and c.intermediate_size == 4 * 48 and c.vocab_size == tok.vocab_size
-    assert_decays_only_matrices(opt[0].out, opt[0].args[0], args.weight_decay)  # 0.1 by default
+    assert_decays_only_matrices(start[0].out, start[0].args[0], args.weight_decay)  # 0.1 by default
     assert docs[0].args[2] == args.num_docs and len(docs[0].out) <= args.num_docs
     assert all(len(x) <= args.seq_len for x, _ in docs[0].out)
     assert all(call.out[0].shape == (args.device_batch_size, args.seq_len) for call in batches)
+    # step 1's loss: every document of its rows alone (positions from 0, attending to nothing else), the mean
+    # next-token loss over all their tokens, under the model as it started
+    model = GPT(c)
+    model.load_state_dict(start[0].seen)
+    examples, step_rows = batches[0].args[:2]
+    assert any(len(row) > 1 for row in step_rows)  # packed rows: documents side by side
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in (i for row in step_rows for i in row):
+            x, y = examples[i]
+            total -= model(torch.tensor([x]))[0].log_softmax(-1).gather(-1, torch.tensor(y)[:, None]).sum().item()
+            count += len(y)
+    assert rows[0]["loss"] == pytest.approx(total / count, abs=2e-5)
 
 
 @pytest.mark.parametrize("flags", [[], ["--lora-alpha", "16"], ["--lora-dropout", "0.25"],
