@@ -355,8 +355,8 @@ def main():
         old_logp, entropy = batch_logprobs(actor, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
         ref_logp = old_logp
         if ref_model is not None:
-            with adapters_off(ref_model):
-                ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, **logits_settings)
+            with adapters_off(ref_model):  # untruncated: a sampled token outside ITS top-k/top-p is no infinite KL
+                ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, temperature=args.temperature)
         old_values = torch.zeros_like(mask)
         with torch.no_grad(), autocast(device):
             for part in micro_batches(batch.lengths, args.micro_batch_tokens):

@@ -418,8 +418,8 @@ def main():
         old_logp, entropy = batch_logprobs(model, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
         ref_logp = None
         if ref_model is not None:
-            with adapters_off(ref_model):
-                ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, **logits_settings)
+            with adapters_off(ref_model):  # untruncated: a sampled token outside ITS top-k/top-p is no infinite KL
+                ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, temperature=args.temperature)
         weights = sampler_correction(old_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap,
                                      eps=args.mask_eps)
 

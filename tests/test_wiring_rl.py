@@ -1,0 +1,157 @@
+"""chat_rl.py's loop flags reach what they name (update_policy's own settings are test_rl.py's
+test_update_applies_the_gradient_of_the_flags_objective). Each case is a real run of main (tests/inprocess.py:
+one step, a tiny model, the command line parsed by the stage's parser) with one flag changed from the base
+command; spies record what the loop handed the update, and the test recomputes it from the definitions: the
+rewards with DAPO's overlong shaping, the group advantages (GRPO's mean or RLOO's leave-one-out baseline, over
+the group's std, the batch's, or none), the loss mask (--mask-truncated), the snapshot's and the reference's
+log-probs of the distribution sampled from, and the sampler correction."""
+import pytest
+import torch
+
+import chat_rl
+from checkpoint import save_hf
+from inprocess import (LengthGrader, correction_weights, loaded, logp_of, perturbed_reference, run_stage, spy,
+                       truncated_logp)
+from model import GPT, GPTConfig
+from rollout import training_batch
+from test_rl import RecordingOptimizer, synthetic_batch, tiny_policy
+
+BASE = ["--num-prompts", "8", "--steps", "1", "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "8",
+        "--eval-problems", "0", "--save-every", "100", "--warmup-steps", "0", "--minibatches", "1",
+        "--overlong-buffer", "5", "--max-resample", "1", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def chat(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("rl_wiring")
+    torch.manual_seed(0)
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
+                          intermediate_size=64, max_seq_len=512)), str(path), tok)
+    return str(path)
+
+
+def rl_case(monkeypatch, home, chat, *flags):
+    monkeypatch.setattr(chat_rl, "Grader", LengthGrader)
+    monkeypatch.setattr(chat_rl, "reference_model", perturbed_reference(chat_rl.reference_model))
+    argv = ["--init", chat, *BASE, *flags]
+    rec = {name: spy(monkeypatch, chat_rl, name) for name in ("sample", "dynamic_sampling", "update_policy",
+                                                                 "reference_model")}
+    rows = run_stage(monkeypatch, home, chat_rl, *argv)
+    return chat_rl.parser.parse_args(argv), rec, [r for r in rows if "reward" in r]
+
+
+def reference_advantages(rewards, G, estimator, scale):
+    """One per answer: the reward minus its group's mean (grpo) or the mean of the group's other answers (rloo),
+    divided by the group's population std (+1e-6), the whole batch's, or nothing; exactly 0 in a group whose
+    rewards are all equal."""
+    out = []
+    for g in range(0, len(rewards), G):
+        group = [float(r) for r in rewards[g:g + G]]
+        mean = sum(group) / G
+        std = (sum((r - mean) ** 2 for r in group) / G) ** 0.5
+        for r in group:
+            base = mean if estimator == "grpo" else (sum(group) - r) / (G - 1)
+            out.append(0.0 if max(group) == min(group) else (r - base) / (std + 1e-6 if scale == "group" else 1.0))
+    adv = torch.tensor(out)
+    if scale == "batch":
+        r = torch.tensor([float(x) for x in rewards])
+        adv = adv / (((r - r.mean()) ** 2).mean() ** 0.5 + 1e-6)
+    return adv
+
+
+def overlong(length, max_len, buffer, penalty):
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer tokens, then down linearly to -penalty at max_len."""
+    if buffer <= 0 or length <= max_len - buffer:
+        return 0.0
+    return -penalty * min(1.0, (length - max_len + buffer) / buffer)
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--overlong-buffer", "0"], ["--overlong-penalty", "0.5"], ["--mask-truncated"], ["--estimator", "rloo"],
+    ["--scale", "batch"], ["--scale", "none"], ["--group-size", "2"], ["--tis-cap", "0.5"],
+    ["--correction", "sequence-tis", "--tis-cap", "0.5"], ["--correction", "token-mask", "--mask-eps", "-1"],
+    ["--correction", "none"], ["--temperature", "0.7"], ["--top-k", "5"], ["--top-p", "0.5"], ["--kl-beta", "0.1"],
+    ["--kl-beta", "0.1", "--temperature", "0.7"], ["--kl-beta", "0.1", "--top-k", "5"], ["--no-dynamic-sampling"], ["--max-resample", "0"],
+    ["--max-new-tokens", "6"], ["--tools"], ["--max-tool-turns", "2"], ["--prompts-per-step", "3"],
+], ids=lambda f: "_".join(x.lstrip("-") for x in f) or "defaults")
+def test_each_flag_reaches_the_update(monkeypatch, tmp_path, chat, flags):
+    args, rec, steps = rl_case(monkeypatch, tmp_path, chat, *flags)
+    # the sampler: --group-size answers to each prompt, at the sampling flags, with the calculator under --tools
+    for call in rec["sample"]:
+        kw = call.kwargs
+        assert (kw["samples_per_prompt"], kw["max_new_tokens"], kw["max_tool_turns"], kw["temperature"], kw["top_k"],
+                kw["top_p"]) == (args.group_size, args.max_new_tokens, args.max_tool_turns, args.temperature,
+                                 args.top_k, args.top_p)
+        assert (kw["tool_schemas"] is not None) == args.tools == bool(call.args[0].tools)
+    # dynamic sampling's rounds: 1 + --max-resample, or 1 without it
+    assert rec["dynamic_sampling"][0].args[2] == 1 + (args.max_resample if args.dynamic_sampling else 0)
+    kept = rec["dynamic_sampling"][0].out[0]
+    G = args.group_size
+    assert len(kept) == args.prompts_per_step * G and kept.group_size == G
+    # the rewards: the grade plus the soft overlong penalty of --overlong-buffer and --overlong-penalty
+    grades = LengthGrader()(kept.rows, kept.prompts, kept.completions).total
+    rewards = grades + torch.tensor([overlong(len(c.tokens), args.max_new_tokens, args.overlong_buffer,
+                                              args.overlong_penalty) for c in kept.completions])
+    torch.testing.assert_close(kept.rewards, rewards)
+    if args.overlong_buffer:
+        assert any(len(c.tokens) > args.max_new_tokens - args.overlong_buffer for c in kept.completions)
+
+    call = rec["update_policy"][0]
+    batch, kw = call.args[2], call.kwargs
+    torch.testing.assert_close(kw["advantages"], reference_advantages(rewards, G, args.estimator, args.scale),
+                               atol=1e-5, rtol=1e-5)
+    # the loss mask: the answer's sampled tokens, none of an answer cut at the limit under --mask-truncated
+    m = torch.zeros_like(batch.mask)
+    for b, (p, c) in enumerate(zip(kept.prompts, kept.completions)):
+        if not (args.mask_truncated and c.finish_reason == "length"):
+            m[b, len(p) - 1:len(p) - 1 + len(c.tokens)] = torch.tensor(c.mask, dtype=torch.float)
+    torch.testing.assert_close(batch.mask, m)
+    if args.mask_truncated:
+        assert any(c.finish_reason == "length" for c in kept.completions)
+    # the snapshot: log p of the sampled tokens under the distribution they were sampled from
+    model = loaded(chat)
+    x, y = batch.inputs, batch.targets
+    settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    old = truncated_logp(model, x, y, **settings) if args.top_k or args.top_p else logp_of(model, x, y, args.temperature)
+    torch.testing.assert_close(kw["old_logp"], old * m, atol=2e-5, rtol=1e-4)
+    assert steps[0]["logprob_mismatch"] < 1e-4  # and the engine sampled from that distribution
+    if args.kl_beta:  # the reference's, of its whole distribution at the temperature (no infinite KL under --top-k)
+        torch.testing.assert_close(kw["ref_logp"], logp_of(rec["reference_model"][0].out, x, y, args.temperature) * m,
+                                   atol=2e-5, rtol=1e-4)
+    else:
+        assert kw["ref_logp"] is None and not rec["reference_model"]
+    weights = correction_weights(kw["old_logp"], batch.engine_logp, m, args.correction, args.tis_cap, args.mask_eps)
+    torch.testing.assert_close(kw["weights"], weights)
+
+
+@pytest.mark.parametrize("argv", [["--eps-low", "0.05"], ["--eps-high", "0.05"], ["--dual-clip", "1.5"],
+                                  ["--correction", "token-mask", "--mask-kl-coef", "0.5"], ["--mask-kl-coef", "0.5"]],
+                         ids=lambda a: "_".join(x.lstrip("-") for x in a))
+def test_clip_bounds_dual_clip_and_mask_kl_reach_the_objective(argv):
+    """update_settings (what main passes update_policy) with --eps-low, --eps-high, --dual-clip and --mask-kl-coef:
+    the gradient handed to the optimizer is that of the objective written out here: -min(r A, clip(r, 1 - eps_low,
+    1 + eps_high) A), bounded by -c A for a negative advantage (dual clip), token-mean, plus --mask-kl-coef x the
+    token-mean squared log-ratio to the sampler (only with --correction token-mask)."""
+    prompts, comps, adv = synthetic_batch()
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    model = tiny_policy()
+    with torch.no_grad():
+        logp0 = model(b.inputs, b.targets)
+    old = (logp0 + (torch.rand(logp0.shape, generator=torch.Generator().manual_seed(2)) - 0.5) * 1.2) * b.mask
+    args = chat_rl.parser.parse_args(["--ppo-epochs", "1", "--minibatches", "1", "--micro-batch-tokens", "24",
+                                      "--grad-clip", "0", "--max-new-tokens", "16", *argv])
+    opt = RecordingOptimizer(model)
+    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, step=0, **chat_rl.update_settings(args))
+    logp, m = model(b.inputs, b.targets), b.mask
+    r, a = torch.exp(logp - old), adv[:, None].expand_as(logp)
+    per_token = torch.maximum(-a * r, -a * r.clamp(1 - args.eps_low, 1 + args.eps_high))
+    if args.dual_clip is not None:
+        per_token = torch.where(a < 0, torch.minimum(per_token, -a * args.dual_clip), per_token)
+    loss = (per_token * m).sum() / m.sum()
+    if args.correction == "token-mask":
+        loss = loss + args.mask_kl_coef * ((logp - b.engine_logp) ** 2 * m).sum() / m.sum()
+    want = torch.autograd.grad(loss, opt.params)
+    clipped = ((r < 1 - args.eps_low) | (r > 1 + args.eps_high)) & (m > 0)
+    assert clipped.any() and (not args.dual_clip or ((-a * r > -a * args.dual_clip) & (m > 0)).any())
+    for got, w in zip(opt.steps[0], want):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
