@@ -10,6 +10,7 @@ import torch
 
 import chat_rl
 import exact
+import packing
 from exact import ANSWERS, END, EVERY, LENGTHS, MAX_LEN, REWARDS
 
 torch.set_num_threads(1)
@@ -39,6 +40,14 @@ def test_fifteen_answers_seven_finished_eight_cut_off():
     assert exact.NAMES[:3] == ["end", "a end", "b end"] and exact.NAMES[-1] == "b b b"
     assert REWARDS.tolist()[:7] == [0.0, 1.0, 0.0, 0.5, 1.0, 0.0, 0.5] and REWARDS[7:].abs().sum() == 0
     assert sorted(set(LENGTHS.tolist())) == [1, 2, 3]
+
+
+def test_the_docstring_numbers(policy):
+    """tiny_policy's docstring, and IGNORE is packing's (exact.py may import only model.py)."""
+    p = exact.answer_probs(policy).detach()
+    assert round(float(p[0]), 3) == 0.424 and round(float(p[7]), 3) == 0.151
+    assert round(exact.expected_reward(policy).item(), 4) == 0.1635 and round(float((p * LENGTHS).sum()), 2) == 1.96
+    assert exact.IGNORE == packing.IGNORE
 
 
 def test_batch_layout_is_the_training_batch_layout():
@@ -211,9 +220,9 @@ def test_k1_and_k3_values_are_unbiased_k2_is_not(policy):
     ref = exact.perturbed(policy, 0.3)
     p = exact.answer_probs(policy).detach()
     true_kl = exact.kl(policy, ref).item()
-    assert float((p * kl_terms(policy, ref, "k1")).sum()) == pytest.approx(true_kl, abs=1e-6)
-    assert float((p * kl_terms(policy, ref, "k3")).sum()) == pytest.approx(true_kl, abs=1e-6)
-    assert abs(float((p * kl_terms(policy, ref, "k2")).sum()) - true_kl) > 0.01 * true_kl
+    assert (p * kl_terms(policy, ref, "k1")).sum().item() == pytest.approx(true_kl, abs=1e-6)
+    assert (p * kl_terms(policy, ref, "k3")).sum().item() == pytest.approx(true_kl, abs=1e-6)
+    assert abs((p * kl_terms(policy, ref, "k2")).sum().item() - true_kl) > 0.01 * true_kl
 
 
 def test_kl_estimator_gradients_per_token_and_per_answer(policy):
