@@ -11,8 +11,9 @@ is cut off after MAX_LEN = 3 tokens, at temperature 1. That gives 15 answers:
     cut off (8):    a a a, a a b, a b a, a b b, b a a, b a b, b b a, b b b
 
 Each answer's probability is the product of its tokens' probabilities, exp(sum of the model's per-token
-log-probs), and the 15 sum to exactly 1. A fixed reward table (REWARDS) pays answers of every length, so
-that aggregations over tokens differ by more than a constant:
+log-probs), and the 15 sum to 1 (to float32 rounding, ~1e-7: the model computes its log-probs in float32,
+as in training; every "exact" here means that). A fixed reward table (REWARDS) pays answers of every
+length, so that aggregations over tokens differ by more than a constant:
 
     answer   end  a end  b end  a a end  a b end  b a end  b b end  cut off (each)
     reward   0.0   1.0    0.0     0.5      1.0      0.0      0.5       0.0
@@ -24,6 +25,9 @@ TrainingBatch layout: inputs, targets, mask, per-token log-probs). It draws whol
 torch.multinomial over the 15 exact probabilities: that is the same distribution as drawing token by token
 (p(y) = prod_t p(y_t | y_<t)), so an average over samples converges to the sums here, with no sampler
 numerics in between. (The engine is a layer above this module; this world needs none of it.)
+logprob_jacobian gives every answer token's log-prob gradient at once, so that the parameter gradient of any
+loss on a batch is a product, not a backward pass through the model; group_distribution lists the ways the
+other G - 1 answers of a group can fall, for expectations over groups larger than brute force allows.
 
 This file imports only torch and model.py.
 """
