@@ -101,7 +101,7 @@ def draw(data):
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xticks([j + 0.2 for j in range(len(kinds))], kinds)
     ax.set_title("held-out chosen answers by kind, at the end: log p - log p_SFT", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     return fig
 
@@ -122,7 +122,8 @@ def main():
         ev = lab.eval_json(run)
         data["runs"][name] = {**curves(lab.metrics(run)), "seconds": lab.commands[-1]["seconds"],
                               **{k: ev.get(k) for k in ("pass@1", "start/pass@1", "pass@1_change", "pass@1_change_se",
-                                                        "pair_accuracy", "accuracy/wrong_step", "logps/chosen",
+                                                        "tool_use_rate", "start/tool_use_rate", "pair_accuracy",
+                                                        "accuracy/wrong_step", "logps/chosen",
                                                         "logps/rejected", "rewards/chosen", "rewards/rejected")}}
         data["by_kind"][name] = logps_by_kind(run, tok, items)
     lab.save(data, draw(data))

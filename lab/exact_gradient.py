@@ -136,7 +136,8 @@ def estimator_table(policy, old, jac, dJ, group_sizes, batches, seed=0):
 def kl_table(policy, jac, scales):
     """Per reference distance: the exact KL of whole answers, and for each estimator (summed over each
     answer's tokens) its value's bias and standard deviation per answer, and its gradient as a loss
-    (samples held fixed): the expectation's cosine and norm ratio to dKL, and its relative variance."""
+    (samples held fixed): the expectation's cosine (None where it is 0) and norm ratio to dKL, its relative
+    error |E - dKL| / |dKL|, and its relative variance E|g - E g|^2 / |dKL|^2."""
     p = exact.answer_probs(policy).detach()
     policy_logp = exact.token_logprobs(policy).detach()
     out = {"scales": list(scales), "kl": [], **{kind: {k: [] for k in (
@@ -158,9 +159,10 @@ def kl_table(policy, jac, scales):
             grads = torch.einsum("yt,ytp->yp", d_logp * exact.EVERY.mask, jac.view(len(p), exact.MAX_LEN, -1))
             mean_value, mean_grad = (p * value.detach()).sum(), p @ grads
             row = out[kind]
-            row["value_bias"].append(round(float(mean_value - true_kl), 5))
+            row["value_bias"].append(round(float(mean_value) - true_kl.item(), 5))
             row["value_std"].append(round(float((p * (value.detach() - mean_value) ** 2).sum().sqrt()), 5))
-            row["grad_cosine"].append(round(cosine(mean_grad, dKL), 4))
+            zero = mean_grad.norm() < 1e-6 * dKL.norm()  # k1's: exactly 0, its direction float noise
+            row["grad_cosine"].append(None if zero else round(cosine(mean_grad, dKL), 4))
             row["grad_norm_ratio"].append(round(float(mean_grad.norm() / dKL.norm()), 4))
             row["grad_relative_error"].append(round(float((mean_grad - dKL).norm() / dKL.norm()), 4))
             row["grad_relative_variance"].append(round(float(
