@@ -58,7 +58,7 @@ def logps_by_kind(model_dir, tok, items):
 def curves(rows):
     """Per step, from metrics.jsonl: the change of each side's log-prob from the reference (rewards / beta), on
     the training pairs of that step (measured before its update) and on the held-out pairs when evaluated
-    (after it), and the held-out pair accuracy. Step 0 is the SFT model, the reference itself: every change 0."""
+    (after it), and the held-out pair accuracy, overall and by kind. Step 0 is the SFT model, the reference itself: every change 0."""
     train = [r for r in rows if "rewards/chosen" in r]
     val = [{"step": 0, "val/rewards/chosen": 0.0, "val/rewards/rejected": 0.0, "val/rewards/margins": 0.0,
             "val/pair_accuracy": 0.0, "val/logps/chosen": None, "val/logps/rejected": None}] + \
@@ -72,7 +72,8 @@ def curves(rows):
             "val_delta_chosen": [round(r["val/rewards/chosen"] / BETA, 4) for r in val],
             "val_delta_rejected": [round(r["val/rewards/rejected"] / BETA, 4) for r in val],
             "val_margin": [round(r["val/rewards/margins"] / BETA, 4) for r in val],
-            "val_pair_accuracy": [r["val/pair_accuracy"] for r in val]}
+            "val_pair_accuracy": [r["val/pair_accuracy"] for r in val],
+            "val_accuracy_by_kind": {kind: [r.get(f"val/accuracy/{kind}", 0.0) for r in val] for kind in PREFERENCE_KINDS}}
 
 
 def draw(data):
