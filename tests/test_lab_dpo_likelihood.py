@@ -26,7 +26,9 @@ def test_smoke_writes_the_figure_and_the_json_the_page_quotes(lab_home, tmp_path
         assert os.path.isfile(lab_home / "dpo" / f"lab-dpo_likelihood-{name}" / "eval.json")
         assert {"val_steps", "val_delta_chosen", "val_delta_rejected", "val_margin", "val_pair_accuracy",
                 "train_delta_chosen", "train_delta_rejected", "pass@1", "start/pass@1", "pass@1_change",
-                "pass@1_change_se", "pair_accuracy", "seconds"} <= set(run)
+                "pass@1_change_se", "pair_accuracy", "tool_use_rate", "start/tool_use_rate", "seconds",
+                "val_accuracy_by_kind"} <= set(run)
+        assert set(run["val_accuracy_by_kind"]) == {"wrong_step", "missing_answer", "rambling"}
         assert run["val_steps"] == [0, 1, 2, 3] and run["val_delta_chosen"][0] == 0.0
         # the curves are the stage's metrics divided by beta: the last held-out point is eval.json's
         assert run["val_delta_chosen"][-1] == pytest.approx(run["rewards/chosen"] / data["beta"], abs=2e-3)
