@@ -205,11 +205,11 @@ PROMPT_FORMATS = ("chat", "plain")
 
 
 def plain_prompt(messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The prompt a base model continues the way it was pretrained: its documents read "question\nsolution"
+    """The prompt a base model continues the way it was pretrained: its documents read "question\\nsolution"
     then <|endoftext|> (base_train.py), so the prompt is the one user message and a newline, and the answer
     ends at <|endoftext|>, a stop token. No role, no template, no tools: there is nothing else it ever saw.
     Example: [{"role": "user", "content": "Mia has 3 pens. How many pens does Mia have?"}] ->
-    "Mia has 3 pens. How many pens does Mia have?\n"."""
+    "Mia has 3 pens. How many pens does Mia have?\\n"."""
     if tools:
         raise UserError("--prompt-format plain prompts a base model as its pretraining documents read: it has no "
                         "tool calls; drop --tools (and rows' own tools)")
