@@ -23,8 +23,8 @@ Where the defaults depart from paper GRPO, and why (each departure is one flag a
 - clip-higher, eps_high 0.28 (paper: 0.2, --eps-high): a rare token may grow further before it is clipped,
   which keeps the policy's entropy from collapsing (DAPO);
 - no KL penalty (paper: 0.04 with the k3 estimator, --kl-beta --kl-kind): with verifiable rewards it mostly
-  slows learning; when on, the loss uses k2, whose gradient is the KL's (k3's is the reverse KL's:
-  rollout.kl_penalty). The reference is loaded anyway: every run logs kl_to_start, how far it has moved;
+  slows learning, and without it no reference model is loaded; when on, the loss uses k2, whose gradient is
+  the KL's (k3's is the reverse KL's: rollout.kl_penalty);
 - dynamic sampling (DAPO; --no-dynamic-sampling): groups whose answers all scored the same teach nothing
   and are replaced by more samples;
 - the sampler correction, token-tis (--correction none): the engine's numerics are not the trainer's, so
@@ -95,7 +95,8 @@ parser.add_argument("--loss", choices=["ppo", "cispo"], default="ppo", help="the
 parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip bound for negative advantages (e.g. 3.0), with --loss ppo")
 parser.add_argument("--mask-truncated", action="store_true", help="answers cut off at the length limit give no gradient")
 parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (token-mean entropy of the sampling distribution)")
-parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (kl_to_start is logged at any weight)")
+parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (0: no reference model)")
+parser.add_argument("--log-kl-to-start", action="store_true", help="at --kl-beta 0 too, load the start to log kl_to_start (a reference forward a step)")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k2", help="KL estimator in the loss (k2: its gradient is the exact KL gradient)")
 parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
 parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: weight of prime-rl's squared log-ratio to the sampler")
@@ -318,10 +319,10 @@ def update_settings(args) -> dict:
 
 def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict:
     """Know before you OOM: the peak memory per device that main prints (and `python memory.py --init FOLDER rl`):
-    the policy trains; the reference (not with LoRA) and grader models only run forward."""
+    the policy trains; the reference (kl_beta > 0 or --log-kl-to-start; not LoRA) and grader models only run forward."""
     policy = peak_memory.Shape.of(load_config(init))
     return peak_memory.rollout_estimate(
-        trained=[policy], frozen=[policy] * (not args.lora_rank) + grader_shapes(args.reward),
+        trained=[policy], frozen=[policy] * ((args.kl_beta > 0 or args.log_kl_to_start) and not args.lora_rank) + grader_shapes(args.reward),
         answers=args.prompts_per_step // world_size * args.group_size, prompt_len=prompt_len,
         max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
         lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp, cuda=cuda,
@@ -358,8 +359,8 @@ def main():
         state = load_training_state(ckpt, optimizer, model)
         start_step, train_clock = state["step"], state["train_seconds"]
         print0(f"resumed from {ckpt} at step {start_step} ({train_clock:.0f} s of training)")
-    # the frozen start (compute dtype; LoRA: the policy, run with its adapters off): the KL penalty's, and kl_to_start's
-    ref_model = reference_model(model, init, args.fsdp)
+    # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); at beta = 0 only for kl_to_start
+    ref_model = reference_model(model, init, args.fsdp) if args.kl_beta > 0 or args.log_kl_to_start else None
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None)
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -368,12 +369,10 @@ def main():
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {G} answers per step on {dist.world_size} rank(s); reward {args.reward}")
 
-    def evaluate(step):
-        scores = heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
-                                seed=step, use_tools=args.tools, label=f"eval @ step {step}", **logits_settings)
-        if args.reward != "verifier":  # every grader's own score on held-out answers too (a proxy beside the gold)
-            scores.update(heldout_rewards(engine, eval_rows, grader, seed=step, **sampling))
-        return scores
+    def evaluate(step):  # pass@k; with another --reward than the verifier, each grader on held-out answers too
+        return {**heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
+                                 seed=step, use_tools=args.tools, label=f"eval @ step {step}", **logits_settings),
+                **(heldout_rewards(engine, eval_rows, grader, seed=step, **sampling) if args.reward != "verifier" else {})}
 
     def sample_round(sampler, step, round_, n):
         """n prompts' groups, graded (the prompts and seeds a pure function of seed, step, round and rank)."""
@@ -420,8 +419,10 @@ def main():
         batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device, args.mask_truncated)
         mask = batch.mask
         old_logp, entropy = batch_logprobs(model, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
-        with adapters_off(ref_model):
-            ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, **logits_settings)
+        ref_logp = None
+        if ref_model is not None:
+            with adapters_off(ref_model):
+                ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, **logits_settings)
         weights = sampler_correction(old_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap,
                                      eps=args.mask_eps)
 
@@ -451,13 +452,14 @@ def main():
             "correction_mean": all_reduce_sum(float(weights.sum())) / n_tok,  # the sampler correction's mean weight
             "masked_frac": all_reduce_sum(float(((weights == 0) & (mask > 0)).sum())) / n_tok,
             "staleness": staleness,
-            "kl_to_start": all_reduce_sum(float(kl_to_start(old_logp, ref_logp, mask).sum())) / s["answers"],
             "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
             "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
             "lr": lr,
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
         }
+        if ref_model is not None:  # how far the policy that sampled this batch is from the start, per answer
+            metrics["kl_to_start"] = all_reduce_sum(float(kl_to_start(old_logp, ref_logp, mask).sum())) / s["answers"]
         if args.kl_beta > 0:
             metrics["kl"] = all_reduce_sum(totals["kl"]) / n_tok_updates
         idle_steps = idle_steps + 1 if metrics["flat_group_frac"] == 1.0 or metrics["grad_norm"] == 0.0 else 0

@@ -59,8 +59,9 @@ def rl_against(proxy, beta, run_name):
     """One RL run rewarded by the RM at `proxy` alone, at --kl-beta beta, the verifier logged beside it at weight 0:
     per step the proxy, the gold and sqrt(kl_to_start) on the training answers; at each evaluation the same on
     held-out answers (one per problem at T=1), and greedy pass@1."""
-    path = lab.run("chat_rl.py", "--init", sft, "--reward", f"rm:{proxy}+0*verifier", "--kl-beta", beta, "--steps", steps,
-                   "--pass-k", "0", "--save-every", steps, *size, stage="rl", run_name=run_name, nproc=nproc)
+    path = lab.run("chat_rl.py", "--init", sft, "--reward", f"rm:{proxy}+0*verifier", "--kl-beta", beta, "--log-kl-to-start",
+                   "--steps", steps, "--pass-k", "0", "--save-every", steps, *size, stage="rl", run_name=run_name,
+                   nproc=nproc)
     rows = lab.metrics(path)
     train = [r for r in rows if "reward" in r]
     kl_of = {r["step"]: r["kl_to_start"] for r in train}
@@ -109,8 +110,11 @@ def exploits(run):
     fooled = sorted((i for i, a in enumerate(after) if a["verifier"] == 0), key=lambda i: -after[i]["rm"])[:4]
     return {"problems": len(rows), "start": {k: mean(before, k) for k in ("rm", "verifier", "tokens")},
             "end": {k: mean(after, k) for k in ("rm", "verifier", "tokens")},
-            "end_rm_of_wrong": mean([a for a in after if a["verifier"] == 0], "rm"),
+            # does the RM tell right from wrong among the policy's own answers, at the start and at the end?
+            "start_rm_of_right": mean([a for a in before if a["verifier"] == 1], "rm"),
+            "start_rm_of_wrong": mean([a for a in before if a["verifier"] == 0], "rm"),
             "end_rm_of_right": mean([a for a in after if a["verifier"] == 1], "rm"),
+            "end_rm_of_wrong": mean([a for a in after if a["verifier"] == 0], "rm"),
             "examples": [{"end": after[i], "start": before[i]} for i in fooled]}
 
 
@@ -124,18 +128,28 @@ runs = {f"beta={b:g}": rl_against(rm, b, f"lab-goodhart-beta{b:g}") for b in LEA
 runs["weak-rm, beta=0"] = rl_against(weak_rm, 0.0, "lab-goodhart-weak-rm-beta0")
 samples = {name: exploits(runs[name]) for name in ("beta=0", "weak-rm, beta=0")}
 
-fig, (ax_proxy, ax_gold, ax_heldout, ax_kl) = figure(2, 2)
+def smooth(values, k=5):
+    """The mean of each value and the k - 1 before it (fewer at the start): one step's 256 answers are noisy."""
+    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
+
+
+fig, (ax_proxy, ax_gold, ax_heldout, ax_kl) = figure(2, 2, height=4.2)
+fig.set_layout_engine("constrained")
 for (name, run), (color, style) in zip(runs.items(), (("C3", "-"), ("C0", "-"), ("C2", "-"), ("C3", ":"))):
     x = [s["sqrt_kl"] for s in run["steps"]]
-    ax_proxy.plot(x, [s["proxy"] for s in run["steps"]], "." + style, color=color, alpha=0.8, label=name)
-    ax_gold.plot(x, [s["gold"] for s in run["steps"]], "." + style, color=color, alpha=0.8, label=name)
+    for ax, key in ((ax_proxy, "proxy"), (ax_gold, "gold")):  # each step a dot, their running mean a line
+        y = [s[key] for s in run["steps"]]
+        ax.plot(x, y, ".", color=color, alpha=0.3, markersize=4)
+        ax.plot(smooth(x), smooth(y), style, color=color, label=name)
     hx = [e["sqrt_kl"] for e in run["heldout"]]
     ax_heldout.plot(hx, [e["proxy"] for e in run["heldout"]], "o" + style, color=color, label=f"{name}: proxy (RM)")
     ax_heldout.plot(hx, [e["gold"] for e in run["heldout"]], "s--", color=color, mfc="none",
                     label=f"{name}: gold (verifier)")
     ax_kl.plot([s["step"] for s in run["steps"]], x, style, color=color, label=name)
-ax_proxy.set(title="proxy on the training answers", xlabel="sqrt(KL to the start)", ylabel="RM score")
-ax_gold.set(title="gold on the same answers", xlabel="sqrt(KL to the start)", ylabel="verifier accuracy")
+ax_proxy.set(title="proxy on the training answers (weak-rm: its own RM)", xlabel="sqrt(KL to the start)",
+             ylabel="RM score")
+ax_gold.set(title="gold on the same answers (lines: 5-step means)", xlabel="sqrt(KL to the start)",
+            ylabel="verifier accuracy")
 ax_heldout.set(title="held-out answers (T=1), at the evaluations", xlabel="sqrt(KL to the start)",
                ylabel="RM score / accuracy")
 ax_kl.set(title="the leash: distance from the start", xlabel="step", ylabel="sqrt(KL to the start)")

@@ -12,9 +12,11 @@ ChatML. So it is prompted two ways:
   pretraining documents end with, not tags it must learn;
 - chat: the ChatML prompt every stage uses, tokens this base never saw.
 The cold start: the pipeline's SFT run, prompted in ChatML. All three: --reward verifier+0.1*format (1 for a
-right answer, 0.1 for a final "#### N" line the verifier can read), no calculator, the same steps and seeds.
+right answer, 0.1 for a final "#### N" line the verifier can read), GRPO without DAPO's dynamic sampling (as
+R1-Zero), no calculator, the same steps and seeds. Then the base (in ChatML) and the SFT run again with the
+calculator offered: the one skill RL finds on this world, and one that is in the SFT run's answers, not the base's.
 
-    python lab/r1_zero.py --home /work/runs_out/base0   # ~15 min on 2 cores; docs/lab/r1_zero.{json,png}
+    python lab/r1_zero.py --home /work/runs_out/base0   # ~20 min on 2 cores; docs/lab/r1_zero.{json,png}
     python lab/r1_zero.py --smoke                        # tiny sizes, what tests/test_lab_r1_zero.py runs
 """
 import os
@@ -27,75 +29,92 @@ from engine import Engine  # noqa: E402
 from labkit import Lab, checkpoint, figure, parser  # noqa: E402
 from rewards import Grader  # noqa: E402
 from rollout import sample  # noqa: E402
+from tasks import CALCULATOR_SCHEMA, TOOLS  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 SHOWN = 3  # held-out answers shown per run, at its start and at its end
+SUMMED = ("accuracy", "format_rate", "length", "tool_use")  # averaged over a run's first and last 5 steps
 
 p = parser("r1_zero", __doc__.split("\n\n")[0])
-p.add_argument("--steps", type=int, default=None, help="RL steps per start (default: 40; smoke: 2)")
+p.add_argument("--steps", type=int, default=None, help="RL steps per start without the calculator (default: 40; smoke: 2)")
+p.add_argument("--tool-steps", type=int, default=20, help="RL steps per start with the calculator (slower steps)")
 args = p.parse_args()
 lab = Lab("r1_zero", args)
 base, sft = checkpoint(args.home, "base"), checkpoint(args.home, "sft")
 if args.smoke:  # the tiny home of tests/conftest.py: seconds
-    steps, nproc, max_new_tokens = args.steps or 2, 1, 24
+    steps, tool_steps, nproc, max_new_tokens = args.steps or 2, 0, 1, 24
     size = ["--prompts-per-step", "4", "--group-size", "4", "--eval-problems", "4", "--eval-every", "1",
             "--num-prompts", "64"]
 else:  # half the pipeline's prompts per step (32 x 8 answers), on 2 ranks as runs/cpu.sh runs RL
-    steps, nproc, max_new_tokens = args.steps or 40, 2, 192
+    steps, tool_steps, nproc, max_new_tokens = args.steps or 40, args.tool_steps, 2, 192
     size = ["--prompts-per-step", "32", "--group-size", "8", "--eval-problems", "100", "--eval-every", "10"]
 size += ["--max-new-tokens", max_new_tokens]
 REWARD = "verifier+0.1*format"
-STARTS = {  # name: (start, prompt format, what the figure calls it)
-    "base-plain": (base, "plain", "base, plain prompt (R1-Zero)"),
-    "base-chat": (base, "chat", "base, ChatML prompt"),
-    "sft": (sft, "chat", "SFT, then GRPO (cold start)"),
+STARTS = {  # name: (start, prompt format, the calculator offered, what the figure calls it)
+    "base-plain": (base, "plain", False, "base, plain prompt (R1-Zero)"),
+    "base-chat": (base, "chat", False, "base, ChatML prompt"),
+    "sft": (sft, "chat", False, "SFT, then GRPO (cold start)"),
+    # the one change of setting: offer the calculator, the one skill RL finds on this world (docs/rl.md), to both
+    # starts (ChatML: a plain document has no tools); the tiny smoke vocabulary cannot hold its tools block
+    "base-chat-tools": (base, "chat", True, "base, ChatML, calculator"),
+    "sft-tools": (sft, "chat", True, "SFT, then GRPO, calculator"),
 }
+if args.smoke:
+    STARTS = {name: start for name, start in STARTS.items() if not start[2]}
 
 
-def grpo(name, init, prompt_format):
-    """One GRPO run; per step the accuracy, format rate and answer length of the training answers, and the
-    held-out greedy pass@1, format and stop rates at the evaluations."""
-    path = lab.run("chat_rl.py", "--init", init, "--prompt-format", prompt_format, "--reward", REWARD, "--steps", steps,
-                   "--pass-k", "0", "--save-every", steps, *size, stage="rl", run_name=f"lab-r1-zero-{name}", nproc=nproc)
+def grpo(name, init, prompt_format, tools):
+    """One GRPO run, without dynamic sampling as R1-Zero's GRPO (so each step's answers are the policy's own, not
+    the groups kept for having mixed rewards): per step the accuracy, format rate and length of the training
+    answers, and at the evaluations the held-out greedy pass@1 and the graders' scores at T=1."""
+    path = lab.run("chat_rl.py", "--init", init, "--prompt-format", prompt_format, *(["--tools"] if tools else []),
+                   "--reward", REWARD, "--no-dynamic-sampling", "--log-kl-to-start", "--steps", tool_steps if tools else steps,
+                   "--pass-k", "0", "--save-every", tool_steps if tools else steps, *size, stage="rl",
+                   run_name=f"lab-r1-zero-{name}", nproc=nproc)
     rows = lab.metrics(path)
-    train = [{"step": r["step"], "accuracy": r["reward/verifier"], "format_rate": r["reward/format"],
-              "length": r["length_mean"], "truncated": r["truncated_frac"], "flat_groups": r["flat_group_frac"],
+    train = [{"step": r["step"], "accuracy": r["accuracy"], "format_rate": r["reward/format"], "length": r["length_mean"],
+              "truncated": r["truncated_frac"], "flat_groups": r["flat_group_frac"], "tool_use": r["tool_use_rate"],
               "kl_to_start": r["kl_to_start"]} for r in rows if "reward" in r]
-    heldout = [{"step": r["step"], "pass@1": r["eval/pass@1"], "format_rate": r["eval/format_rate"],
-                "stop_rate": r["eval/stop_rate"]} for r in rows if "eval/pass@1" in r]
-    return {"init": os.path.relpath(init, args.home), "prompt_format": prompt_format, "run": path, "steps": train,
-            "heldout": heldout, "first": {k: train[0][k] for k in ("accuracy", "format_rate", "length")},
-            "last": {k: sum(s[k] for s in train[-5:]) / len(train[-5:]) for k in ("accuracy", "format_rate", "length")},
-            "answers": {"start": answers_of(init, prompt_format), "end": answers_of(path, prompt_format)}}
+    heldout = [{"step": r["step"], "pass@1": r["eval/pass@1"], "accuracy_t1": r["eval/reward/verifier"],
+                "format_rate_t1": r["eval/reward/format"], "stop_rate": r["eval/stop_rate"]}
+               for r in rows if "eval/pass@1" in r]
+    first, last = train[:5], train[-5:]
+    mean = lambda xs, k: sum(x[k] for x in xs) / len(xs)  # noqa: E731
+    return {"init": os.path.relpath(init, args.home), "prompt_format": prompt_format, "tools": tools, "run": path,
+            "steps": train, "heldout": heldout, "first5": {k: mean(first, k) for k in SUMMED},
+            "last5": {k: mean(last, k) for k in SUMMED},
+            "answers": {"start": answers_of(init, prompt_format, tools), "end": answers_of(path, prompt_format, tools)}}
 
 
-def answers_of(run, prompt_format):
-    """SHOWN held-out answers at T=1 from a run's latest checkpoint, as its prompts rendered them, graded."""
+def answers_of(run, prompt_format, tools):
+    """SHOWN held-out answers at T=1 from a run's latest checkpoint, with the prompt as the model saw it, graded."""
     folder = resolve_model_path(run)
     tok = Tokenizer.load(folder).with_prompt_format(prompt_format)
     _, rows = rl_rows(None, None, eval_problems=SHOWN, num_prompts=1, seed=7)  # seed 7: not the runs' own
-    r = sample(Engine(load_hf(folder), tok), rows, Grader(REWARD, tok), samples_per_prompt=1,
-               max_new_tokens=max_new_tokens, seed=1234)
+    r = sample(Engine(load_hf(folder), tok, tools=TOOLS if tools else None), rows, Grader(REWARD, tok),
+               samples_per_prompt=1, max_new_tokens=max_new_tokens, seed=1234,
+               tool_schemas=[CALCULATOR_SCHEMA] if tools else None)
     return [{"prompt": tok.decode(p), "answer": tok.decode(c.tokens), "reward": float(g)}
             for p, c, g in zip(r.prompts, r.completions, r.rewards)]
 
 
-runs = {name: grpo(name, init, fmt) for name, (init, fmt, _) in STARTS.items()}
+runs = {name: grpo(name, init, fmt, tools) for name, (init, fmt, tools, _) in STARTS.items()}
 
-fig, axes = figure(2, 2)
-for (name, run), color in zip(runs.items(), ("C3", "C1", "C0")):
-    label = STARTS[name][2]
+fig, axes = figure(2, 2, height=4.0)
+fig.set_layout_engine("constrained")
+for (name, run), color in zip(runs.items(), ("C3", "C1", "C0", "C1", "C0")):
+    label, style = STARTS[name][3], "--" if run["tools"] else "-"
     x = [s["step"] for s in run["steps"]]
     for ax, key in zip(axes, ("accuracy", "format_rate", "length")):
-        ax.plot(x, [s[key] for s in run["steps"]], ".-", color=color, label=label)
-    axes[3].plot([h["step"] for h in run["heldout"]], [h["pass@1"] for h in run["heldout"]], "o-", color=color,
+        ax.plot(x, [s[key] for s in run["steps"]], "." + style, color=color, label=label, markersize=4)
+    axes[3].plot([h["step"] for h in run["heldout"]], [h["pass@1"] for h in run["heldout"]], "o" + style, color=color,
                  label=label)
-for ax, (title, ylabel) in zip(axes, (("accuracy of the training answers (T=1)", "verifier accuracy"),
-                                      ("format rate of the training answers", "share with a '#### N' line"),
-                                      ("answer length", "tokens"),
+for ax, (title, ylabel) in zip(axes, (("accuracy of each step's answers (T=1)", "verifier accuracy"),
+                                      ("format rate of each step's answers", "share with a final '#### N'"),
+                                      ("answer length", "tokens (tool results included)"),
                                       ("held-out greedy pass@1", "pass@1"))):
     ax.set(title=title, xlabel="step", ylabel=ylabel)
-    ax.legend(fontsize=7)
-fig.suptitle(f"GRPO with {REWARD}, no calculator: from the base, and from SFT", fontsize=10)
+    ax.legend(fontsize=6)
+fig.suptitle(f"GRPO with {REWARD} from the base and from SFT (dashed: the calculator offered)", fontsize=10)
 lab.save({"question": "Does GRPO from the base, with an accuracy-plus-format reward, get where SFT-then-GRPO gets?",
-          "reward": REWARD, "tools": False, "steps": steps, "runs": runs}, fig)
+          "reward": REWARD, "steps": steps, "tool_steps": tool_steps, "runs": runs}, fig)

@@ -127,13 +127,17 @@ def rl(home, init, *extra):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_a_run_at_beta_0_logs_kl_to_start_with_plain_prompts_and_held_out_rewards(tmp_path, tiny_base):
+def metrics_of(home):
+    with open(home / "rl" / "default" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_log_kl_to_start_at_beta_0_with_plain_prompts_and_held_out_rewards(tmp_path, tiny_base):
     # an untrained model never answers right: the soft overlong penalty gives its answers distinct rewards
     r = rl(tmp_path, tiny_base, "--prompt-format", "plain", "--reward", "verifier+0.1*format", "--overlong-buffer",
-           "24", "--lr", "3e-2")
+           "24", "--lr", "3e-2", "--log-kl-to-start")
     assert r.returncode == 0, r.stderr[-3000:]
-    with open(tmp_path / "rl" / "default" / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    rows = metrics_of(tmp_path)
     steps = [row for row in rows if "reward" in row]
     # step 1 samples with the start's own weights: exactly 0; step 2 with the weights one update later
     assert steps[0]["kl_to_start"] == 0.0 and steps[1]["kl_to_start"] > 0
@@ -141,6 +145,15 @@ def test_a_run_at_beta_0_logs_kl_to_start_with_plain_prompts_and_held_out_reward
     # at the evaluations, each grader on held-out answers beside pass@1 (not a plain verifier reward)
     for row in (rows[0], rows[-1]):
         assert {"eval/pass@1", "eval/reward", "eval/reward/verifier", "eval/reward/format"} <= row.keys()
+    # the same run without the flag (and with the plain verifier) loads no reference: no kl_to_start, no eval/reward
+    r = rl(tmp_path / "default", tiny_base, "--prompt-format", "plain", "--overlong-buffer", "24")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = metrics_of(tmp_path / "default")
+    assert len([row for row in rows if "reward" in row]) == 2
+    assert not any(key.startswith(("kl", "eval/reward")) for row in rows for key in row)
+
+
+def test_plain_prompts_refuse_the_calculator_in_one_line(tmp_path, tiny_base):
     # the prompts are plain: with --tools (a ChatML tools block) the run stops at once, in one line
     r = rl(tmp_path / "tools", tiny_base, "--prompt-format", "plain", "--tools")
     assert r.returncode != 0 and "--prompt-format plain prompts a base model" in r.stderr
