@@ -65,13 +65,14 @@ from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
 from rollout import (IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts, dynamic_sampling,
-                     idle_warning, kl_penalty, overlong_penalty, prompt_length, prompts_per_rank, rollout_metrics, sample,
-                     sampler_correction, training_batch)
+                     heldout_rewards, idle_warning, kl_penalty, kl_to_start, overlong_penalty, prompt_length,
+                     prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import Tokenizer, settle_chat_template
+from tokenizer import PROMPT_FORMATS, Tokenizer, settle_chat_template
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
 parser.add_argument("--init", default=None, help="model folder or run dir (default: the SFT run)")
+parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat", help="plain: prompt a base as it was pretrained, 'question\\n' (R1-Zero)")
 add_rollout_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, --reward, ...
 # rollouts
 parser.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt (G)")
@@ -95,6 +96,7 @@ parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip bou
 parser.add_argument("--mask-truncated", action="store_true", help="answers cut off at the length limit give no gradient")
 parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (token-mean entropy of the sampling distribution)")
 parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (0: no reference model)")
+parser.add_argument("--log-kl-to-start", action="store_true", help="at --kl-beta 0 too, load the start to log kl_to_start (a reference forward a step)")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k2", help="KL estimator in the loss (k2: its gradient is the exact KL gradient)")
 parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
 parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: weight of prime-rl's squared log-ratio to the sampler")
@@ -317,10 +319,10 @@ def update_settings(args) -> dict:
 
 def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict:
     """Know before you OOM: the peak memory per device that main prints (and `python memory.py --init FOLDER rl`):
-    the policy trains; the reference (kl_beta > 0, not LoRA) and grader models only run forward."""
+    the policy trains; the reference (kl_beta > 0 or --log-kl-to-start; not LoRA) and grader models only run forward."""
     policy = peak_memory.Shape.of(load_config(init))
     return peak_memory.rollout_estimate(
-        trained=[policy], frozen=[policy] * (args.kl_beta > 0 and not args.lora_rank) + grader_shapes(args.reward),
+        trained=[policy], frozen=[policy] * ((args.kl_beta > 0 or args.log_kl_to_start) and not args.lora_rank) + grader_shapes(args.reward),
         answers=args.prompts_per_step // world_size * args.group_size, prompt_len=prompt_len,
         max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
         lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp, cuda=cuda,
@@ -339,7 +341,7 @@ def main():
         print0(warning)
 
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init)
+    tok = Tokenizer.load(init).with_prompt_format(args.prompt_format)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
     G, local_prompts = args.group_size, prompts_per_rank(args.prompts_per_step, dist.world_size)
@@ -357,8 +359,8 @@ def main():
         state = load_training_state(ckpt, optimizer, model)
         start_step, train_clock = state["step"], state["train_seconds"]
         print0(f"resumed from {ckpt} at step {start_step} ({train_clock:.0f} s of training)")
-    # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); with beta = 0 not even loaded
-    ref_model = reference_model(model, init, args.fsdp) if args.kl_beta > 0 else None
+    # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); at beta = 0 only for kl_to_start
+    ref_model = reference_model(model, init, args.fsdp) if args.kl_beta > 0 or args.log_kl_to_start else None
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None)
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -367,9 +369,10 @@ def main():
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {G} answers per step on {dist.world_size} rank(s); reward {args.reward}")
 
-    def evaluate(step):
-        return heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
-                              seed=step, use_tools=args.tools, label=f"eval @ step {step}", **logits_settings)
+    def evaluate(step):  # pass@k; with another --reward than the verifier, each grader on held-out answers too
+        return {**heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
+                                 seed=step, use_tools=args.tools, label=f"eval @ step {step}", **logits_settings),
+                **(heldout_rewards(engine, eval_rows, grader, seed=step, **sampling) if args.reward != "verifier" else {})}
 
     def sample_round(sampler, step, round_, n):
         """n prompts' groups, graded (the prompts and seeds a pure function of seed, step, round and rank)."""
@@ -425,7 +428,7 @@ def main():
 
         # 3. the update: --ppo-epochs passes of --minibatches optimizer steps on this batch
         totals = update_policy(model, optimizer, batch, old_logp=old_logp, advantages=adv, weights=weights,
-                               ref_logp=ref_logp, step=step, **settings)
+                               ref_logp=ref_logp if args.kl_beta > 0 else None, step=step, **settings)
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
@@ -455,7 +458,9 @@ def main():
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
         }
-        if ref_model is not None:
+        if ref_model is not None:  # how far the policy that sampled this batch is from the start, per answer
+            metrics["kl_to_start"] = all_reduce_sum(float(kl_to_start(old_logp, ref_logp, mask).sum())) / s["answers"]
+        if args.kl_beta > 0:
             metrics["kl"] = all_reduce_sum(totals["kl"]) / n_tok_updates
         idle_steps = idle_steps + 1 if metrics["flat_group_frac"] == 1.0 or metrics["grad_norm"] == 0.0 else 0
         metrics["idle_steps"] = idle_steps  # consecutive steps without a gradient

@@ -12,7 +12,7 @@ they live here once:
 nothing is rewritten afterwards, and a subset is a plain selection (`Rollouts.select`). The sampler and
 the trainer disagree a little (kernels, precision, batch composition), and off-policy answers were sampled
 by older weights: `sampler_correction` corrects for that; `kl_penalty` measures how far the policy moved from a
-reference on the tokens it sampled.
+reference on the tokens it sampled, and `kl_to_start` per answer, as the over-optimization plots do.
 """
 import collections
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import UserError, autocast, idle_pass
+from common import UserError, all_reduce_dict, autocast, dist_info, idle_pass
 from packing import IGNORE, micro_batches
 
 
@@ -83,16 +83,18 @@ class Rollouts:
                         {k: sum(p.counts.get(k, 0) for p in parts) for k in {k for p in parts for k in p.counts}})
 
     def stats(self) -> dict:
-        """Sums over this rank's answers (divide by the global answer count after an all-reduce)."""
+        """Sums over this rank's answers (divide by the global answer count after an all-reduce). An answer is
+        correct when its verifier passed it: the verifier's own score where --reward has a verifier term (so
+        that accuracy stays the verifier's beside a reward model: rm:PATH+0*verifier), else a reward >= 1."""
         lengths = [len(c.tokens) for c in self.completions]
+        correct = self.reward_parts.get("verifier", self.rewards) >= 1.0
         return {"answers": float(len(lengths)), "length_sum": float(sum(lengths)),
                 "truncated": float(sum(c.finish_reason == "length" for c in self.completions)),
                 "tool_answers": float(sum(c.tool_calls > 0 for c in self.completions)),
                 "tool_calls": float(sum(c.tool_calls for c in self.completions)),
                 "tool_errors": float(sum(c.tool_errors for c in self.completions)),
-                "correct": float((self.rewards >= 1.0).sum()), "reward_sum": float(self.rewards.sum()),
-                "correct_with_tool": float(sum(float(r) >= 1.0 and c.tool_calls > 0
-                                               for r, c in zip(self.rewards, self.completions))),
+                "correct": float(correct.sum()), "reward_sum": float(self.rewards.sum()),
+                "correct_with_tool": float(sum(bool(ok) and c.tool_calls > 0 for ok, c in zip(correct, self.completions))),
                 **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()},
                 **{f"count/{k}": float(v) for k, v in self.counts.items()}}
 
@@ -127,6 +129,28 @@ def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperat
     grades = grader(answer_rows, answer_prompts, completions)
     return Rollouts(answer_rows, answer_prompts, completions, grades.total, grades.parts, grades.errors,
                     samples_per_prompt, grades.counts)
+
+
+def heldout_rewards(engine, rows, grader, *, seed=0, batch_size=64, **sampling) -> dict:
+    """The --reward graders on held-out problems: one answer to each row, sampled as training samples (the
+    `sampling` settings of `sample`), graded as a training answer is. Returns {"reward": the mean reward,
+    "reward/<grader>": the mean of each grader's own score}: against a learned grader, the proxy (a reward
+    model's score) and the gold (a verifier term weighted 0: --reward rm:PATH+0*verifier) on the same
+    held-out answers, which pass@1 alone cannot show. Under torchrun every rank grades its share
+    (rows[rank::world_size]) and the sums are reduced: every rank must call it."""
+    info = dist_info()
+    mine = rows[info.rank::info.world_size]
+    sums = {"answers": 0.0, "reward": 0.0, **{f"reward/{name}": 0.0 for _, name in grader.terms}}
+    with engine.prepared():  # a collective under FSDP2: every rank, even one without rows
+        for i in range(0, len(mine), batch_size):
+            part = sample(engine, mine[i:i + batch_size], grader, samples_per_prompt=1, seed=seed + i, **sampling)
+            sums["answers"] += len(part)
+            sums["reward"] += float(part.rewards.sum())
+            for name, scores in part.reward_parts.items():
+                sums[f"reward/{name}"] += float(scores.sum())
+    sums = all_reduce_dict(sums, keys=list(sums))
+    n = max(1.0, sums.pop("answers"))
+    return {k: v / n for k, v in sums.items()}
 
 
 def prompts_per_rank(prompts_per_step: int, world_size: int) -> int:
@@ -312,6 +336,18 @@ def kl_penalty(logp, ref_logp, kind="k3"):
     if kind == "k3":
         return torch.exp(log_r) - 1 - log_r
     raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def kl_to_start(logp, ref_logp, mask):
+    """How far the policy that sampled each answer has moved from the start, as Gao et al. 2022 measure it
+    (arXiv:2210.10760, whose plots put sqrt(KL) on the x-axis): KL(policy || start) over the whole answer,
+    the sum over its sampled tokens of k3 (kl_penalty), an unbiased estimate of the sequence's KL that is
+    never negative. (B,); the run logs its mean over answers as kl_to_start. Forced tokens (tool results) and
+    padding are outside the mask: the policy never chose them.
+    Example: an answer whose three tokens moved by log p - log p_start = +0.20, +0.10, +0.80 has k3 0.018731,
+    0.004837, 0.249329: 0.272897; a one-token answer at -0.50 has 0.148721; their mean is 0.210809, sqrt 0.4591.
+    (k1 would give 1.10 and -0.50: unbiased too, but a single answer can go negative.)"""
+    return (kl_penalty(logp, ref_logp, "k3") * mask).sum(-1)
 
 
 @torch.no_grad()

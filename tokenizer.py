@@ -16,7 +16,8 @@ Three renderings:
   render_text in exactly one place, the think block (see _segments), which makes it prefix-stable:
   the ids of messages[:i] are the first ids of messages (unless the cut splits a group of tool results).
 - Tokenizer.render_for_completion(): the prompt RL samples from, a token prefix of the training
-  render of the conversation with the reply appended.
+  render of the conversation with the reply appended. A base model that never saw ChatML is prompted
+  instead as it read its pretraining documents, "question\n" (with_prompt_format("plain"), plain_prompt).
 
 Ids are built segment by segment (role header, body, end of turn), each segment encoded on its own.
 So a prompt is always a true token prefix of prompt + completion, even when the completion starts with
@@ -26,6 +27,7 @@ CLI: python tokenizer.py show FILE.jsonl [--n K] [--tokenizer PATH]   prints ren
 """
 
 import argparse
+import copy
 import json
 import os
 import re
@@ -199,11 +201,30 @@ def parse_tool_calls(text: str) -> list[dict]:
     return calls
 
 
+PROMPT_FORMATS = ("chat", "plain")
+
+
+def plain_prompt(messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt a base model continues the way it was pretrained: its documents read "question\\nsolution"
+    then <|endoftext|> (base_train.py), so the prompt is the one user message and a newline, and the answer
+    ends at <|endoftext|>, a stop token. No role, no template, no tools: there is nothing else it ever saw.
+    Example: [{"role": "user", "content": "Mia has 3 pens. How many pens does Mia have?"}] ->
+    "Mia has 3 pens. How many pens does Mia have?\\n"."""
+    if tools:
+        raise UserError("--prompt-format plain prompts a base model as its pretraining documents read: it has no "
+                        "tool calls; drop --tools (and rows' own tools)")
+    if len(messages) != 1 or messages[0].get("role") != "user":
+        raise UserError(f"--prompt-format plain renders a prompt of one user message, as a pretraining document "
+                        f"starts; got {[m.get('role') for m in messages]}")
+    return messages[0]["content"] + "\n"
+
+
 # -----------------------------------------------------------------------------
 # Tokenizer
 
 class Tokenizer:
     """Byte-level BPE (a HF `tokenizers` model) plus the ChatML rendering that every stage uses."""
+    prompt_format = "chat"  # what render_for_completion renders: see with_prompt_format
 
     def __init__(self, tok: HFTokenizer, files: dict[str, bytes] | None = None):
         self._tok = tok
@@ -338,11 +359,25 @@ class Tokenizer:
             raise ValueError(f"no assistant message among the {len(messages)} messages: nothing to train on")
         return self._encode_segments(segs)
 
+    def with_prompt_format(self, prompt_format: str) -> "Tokenizer":
+        """This tokenizer, rendering prompts in `prompt_format` (a copy; self is unchanged): "chat" (ChatML, the
+        default) or "plain" (plain_prompt: how a base model read its pretraining documents; chat_rl.py
+        --prompt-format plain, RL straight from a base as DeepSeek-R1-Zero). Nothing else changes: the training
+        batch is the prompt's ids and the sampled ids, never re-rendered."""
+        if prompt_format not in PROMPT_FORMATS:
+            raise UserError(f"unknown prompt format {prompt_format!r}; one of {', '.join(PROMPT_FORMATS)}")
+        tok = copy.copy(self)
+        tok.prompt_format = prompt_format
+        return tok
+
     def render_for_completion(self, messages: list[dict], tools: list[dict] | None = None,
                               enable_thinking: bool = True) -> list[int]:
         """The prompt to sample the next assistant turn from: ends with <|im_start|>assistant\\n (+ an empty
         think block when thinking is off). A token prefix of render_conversation(messages + [reply]); unlike
-        render_text(..., add_generation_prompt=True), earlier turns keep their thinking, as in training."""
+        render_text(..., add_generation_prompt=True), earlier turns keep their thinking, as in training.
+        In the "plain" prompt format (with_prompt_format), plain_prompt's text instead."""
+        if self.prompt_format == "plain":
+            return self.encode(plain_prompt(messages, tools))
         segs = _segments(messages, tools, training=True) + [("<|im_start|>assistant\n", 0)]
         if not enable_thinking:
             segs.append((THINK_OFF, 0))
