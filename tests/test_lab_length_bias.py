@@ -17,9 +17,10 @@ def test_length_bias_smoke(lab_home, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "length_bias.png").stat().st_size > 0
     data = json.loads((tmp_path / "length_bias.json").read_text())
-    assert list(data["runs"]) == ["grpo", "token-mean", "dr-grpo"]
-    for run in data["runs"].values():
+    # the smoke home has no calculator: the variant without it only
+    assert list(data["runs"]) == ["no-tools"] and list(data["runs"]["no-tools"]) == ["grpo", "token-mean", "dr-grpo"]
+    for run in data["runs"]["no-tools"].values():
         assert len(run["step"]) == len(run["length_correct"]) == len(run["length_wrong"]) == len(run["accuracy"]) == 2
-        assert set(run["start"]) == set(run["end"]) == {"length_correct", "length_wrong", "accuracy"}
-        assert set(run["heldout_pass@1"]) == {"start", "end"} and run["seconds"] > 0
+        assert set(run["first_step"]) == set(run["end"]) == {"length_correct", "length_wrong", "accuracy"}
+        assert set(run["heldout_pass@1"]) == {"start", "end"} and run["seconds"] > 0 and "--tools" not in run["flags"]
     assert len(data["commands"]) == 3 and data["seconds"] > 0 and "speed_reference" in data
