@@ -64,9 +64,9 @@ from evaluation import heldout_scores
 from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
-from rollout import (IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts, dynamic_sampling,
-                     heldout_rewards, idle_warning, kl_penalty, kl_to_start, overlong_penalty, prompt_length,
-                     prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
+from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts,
+                     dynamic_sampling, heldout_rewards, idle_warning, kl_penalty, kl_to_start, overlong_penalty,
+                     prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import PROMPT_FORMATS, Tokenizer, settle_chat_template
 
@@ -81,6 +81,7 @@ parser.add_argument("--max-resample", type=int, default=3, help="extra sampling 
 parser.add_argument("--off-policy", action="store_true", help="one-step-off-policy: sample the next batch (in a thread, from "
                     "a snapshot of the weights) while this one trains")
 parser.add_argument("--staleness", type=int, default=0, help="sample with the weights of this many steps back (an experiment; 0: on-policy)")
+parser.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default="auto", help="the sampler's weights and KV cache (auto: the compute dtype); bfloat16 on CPU: a sampler unlike the trainer")
 # rewards
 parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens before the limit (0: off)")
 parser.add_argument("--overlong-penalty", type=float, default=1.0, help="the penalty at the limit")
@@ -362,7 +363,7 @@ def main():
     # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); at beta = 0 only for kl_to_start
     ref_model = reference_model(model, init, args.fsdp) if args.kl_beta > 0 or args.log_kl_to_start else None
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
-    engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None)
+    engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None, dtype=ENGINE_DTYPES[args.engine_dtype])
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sampling = dict(max_new_tokens=args.max_new_tokens, tool_schemas=tool_schemas, max_tool_turns=args.max_tool_turns,
                     **logits_settings)

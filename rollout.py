@@ -50,6 +50,11 @@ def add_rollout_flags(parser):
     parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
 
 
+# chat_rl.py --engine-dtype: the dtype of the sampler's weights and KV cache (None: the compute dtype, what the
+# trainer computes in). bfloat16 on CPU makes the sampler's numerics differ from the float32 trainer's on purpose
+ENGINE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass
 class Rollouts:
     """Answers in prompt-major groups of `group_size` (answers i*G .. i*G+G-1 share a prompt)."""
@@ -89,6 +94,7 @@ class Rollouts:
         lengths = [len(c.tokens) for c in self.completions]
         correct = self.reward_parts.get("verifier", self.rewards) >= 1.0
         return {"answers": float(len(lengths)), "length_sum": float(sum(lengths)),
+                "length_sum_correct": float(sum(n for n, ok in zip(lengths, correct.tolist()) if ok)),
                 "truncated": float(sum(c.finish_reason == "length" for c in self.completions)),
                 "tool_answers": float(sum(c.tool_calls > 0 for c in self.completions)),
                 "tool_calls": float(sum(c.tool_calls for c in self.completions)),
@@ -101,10 +107,17 @@ class Rollouts:
 
 def rollout_metrics(sums: dict) -> dict:
     """What a sampling stage logs of its rollouts, from Rollouts.stats() summed over ranks: the reward and
-    its parts per answer, accuracy, lengths, and the tools' use (per answer; accuracy with and without)."""
+    its parts per answer, accuracy, lengths, and the tools' use (per answer; accuracy with and without).
+    length_correct and length_wrong: the mean length of the right answers (as accuracy counts them
+    them) and of the others, each left out of a step that has none (a mean of nothing is not 0); the length
+    bias of per-answer normalization shows in them (Dr. GRPO, arXiv:2503.20783; lab/length_bias.py).
+    Example: answers of 10 and 30 tokens right, 50 wrong: length_mean 30, length_correct 20, length_wrong 50."""
     n = sums["answers"]
     with_tool = sums["tool_answers"]
-    return {"reward": sums["reward_sum"] / n, "accuracy": sums["correct"] / n,
+    wrong = n - sums["correct"]
+    by_outcome = {**({"length_correct": sums["length_sum_correct"] / sums["correct"]} if sums["correct"] else {}),
+                  **({"length_wrong": (sums["length_sum"] - sums["length_sum_correct"]) / wrong} if wrong else {})}
+    return {"reward": sums["reward_sum"] / n, "accuracy": sums["correct"] / n, **by_outcome,
             **{k: v / n for k, v in sums.items() if k.startswith("reward/")},
             **{k: v for k, v in sums.items() if k.startswith("count/")},
             "length_mean": sums["length_sum"] / n, "truncated_frac": sums["truncated"] / n,
