@@ -142,7 +142,7 @@ def test_kto_flags_reach_the_loss_and_the_reference_point(monkeypatch, tmp_path,
 
 
 PAIRS_FLAGS = [[], ["--samples", "3"], ["--temperature", "0.7"], ["--max-new-tokens", "9"], ["--num-train", "12"],
-               ["--seed", "2"]]
+               ["--seed", "2"], ["--tools"]]
 
 
 @pytest.mark.parametrize("stage, flags", [("dpo", f) for f in PAIRS_FLAGS] + [("kto", f) for f in PAIRS_FLAGS[:3]],
@@ -164,7 +164,7 @@ def test_pairs_on_policy_samples_with_the_flags_and_trains_on_what_it_sampled(mo
     run_stage(monkeypatch, tmp_path, module, *argv)
     args = module.parser.parse_args(argv)
     assert sampled == [dict(num_prompts=args.num_train, samples=args.samples, temperature=args.temperature,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)]
+                            max_new_tokens=args.max_new_tokens, seed=args.seed, tools=args.tools)]
     rows = rendered[0].args[1]
     pairs = preference_pairs("train", 6, seed=11)
     if stage == "dpo":
