@@ -327,8 +327,17 @@ class GPT(nn.Module):
         t = torch.arange(self.config.max_seq_len, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_signed_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        # on one CPU thread: in a process's first parallel call, torch's float32 cos can compute the new worker
+        # thread's share imprecisely (errors ~1.5e-4 at angles near 500, against ~4e-8; about one process in four
+        # on 2 cores), which made two runs of the same command train differently (tests/test_model.py)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            cos, sin = emb.cos(), freqs.sin()
+        finally:
+            torch.set_num_threads(threads)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
 
     @property
     def device(self):

@@ -259,3 +259,35 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients():
     torch.testing.assert_close(grads[0][0], grads[1][0], atol=0, rtol=0)
     for a, b in zip(grads[0][1], grads[1][1]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+ROPE_IN_A_FRESH_PROCESS = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+torch.set_num_threads(2)
+from model import GPT, GPTConfig, rope_inv_freq
+config = GPTConfig(vocab_size=16, n_layer=1, n_head=2, n_kv_head=2, n_embd=64, head_dim=32, intermediate_size=64,
+                   max_seq_len=512)
+with torch.device("meta"):  # as load_hf builds a model: the tables are then the process's first parallel work
+    m = GPT(config)
+m._init_rope("cpu")
+angles = torch.outer(torch.arange(512, dtype=torch.float32), rope_inv_freq(config)).double()  # the model's, exact
+print(float((m.rope_cos[:, :16].double() - angles.cos()).abs().max()),
+      float((m.rope_signed_sin[:, 16:].double() - angles.sin()).abs().max()))
+"""
+
+
+@pytest.mark.slow
+def test_rope_tables_are_precise_in_every_fresh_process():
+    """The cos and sin tables, built in a fresh process on 2 threads as load_hf builds them, match float64 to
+    float32 rounding. torch's float32 cos, in a process's first parallel call, could compute the new worker
+    thread's half of the table imprecisely (errors ~1.5e-4 at positions 256-511, in one fresh process in four to
+    twelve here), so the same command trained differently from one run to the next. Sixteen fresh processes,
+    one after the other: the old code got through all sixteen about one time in ten."""
+    import subprocess
+    import sys
+    code = ROPE_IN_A_FRESH_PROCESS.format(repo=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for _ in range(16):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+        cos_err, sin_err = map(float, out.split())
+        assert cos_err < 1e-6 and sin_err < 1e-6, f"rope table off by {cos_err:.2e} (cos), {sin_err:.2e} (sin)"
