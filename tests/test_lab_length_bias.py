@@ -21,6 +21,7 @@ def test_length_bias_smoke(lab_home, tmp_path):
     assert list(data["runs"]) == ["no-tools"] and list(data["runs"]["no-tools"]) == ["grpo", "token-mean", "dr-grpo"]
     for run in data["runs"]["no-tools"].values():
         assert len(run["step"]) == len(run["length_correct"]) == len(run["length_wrong"]) == len(run["accuracy"]) == 2
+        assert len(run["truncated_frac"]) == len(run["tool_use_rate"]) == 2  # the page quotes both
         assert set(run["first_step"]) == set(run["end"]) == {"length_correct", "length_wrong", "accuracy"}
         assert set(run["heldout_pass@1"]) == {"start", "end"} and run["seconds"] > 0 and "--tools" not in run["flags"]
     assert len(data["commands"]) == 3 and data["seconds"] > 0 and "speed_reference" in data
