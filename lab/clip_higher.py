@@ -20,7 +20,7 @@ the clip hardly ever binds, and eps_high has nothing to act on.
 Part 2: pass@1..64 at T=1 on LARGE_K_PROBLEMS held-out problems, the same problems and sampling seeds for all, of the
 SFT checkpoint and of each default run's last checkpoint (chat_eval.py --model M --samples 64 --temperature 1).
 
-    python lab/clip_higher.py                  # ~22 min on 2 cores; docs/lab/clip_higher.{json,png}
+    python lab/clip_higher.py                  # ~20 min on 2 cores; docs/lab/clip_higher.{json,png}
     python lab/clip_higher.py --home /tmp/np   # another pipeline's checkpoints (runs/cpu.sh under NANOPOST_HOME)
 """
 import json

@@ -22,7 +22,7 @@ answers (length_correct, length_wrong; in tokens, the calculator's forced result
 them) and their accuracy; greedy held-out pass@1 at the start and the end. The figure draws the lengths and the
 accuracy against steps, a row per variant.
 
-    python lab/length_bias.py                  # ~22 min on 2 cores; docs/lab/length_bias.{json,png}
+    python lab/length_bias.py                  # ~16 min on 2 cores; docs/lab/length_bias.{json,png}
     python lab/length_bias.py --home /tmp/np   # another pipeline's checkpoints (runs/cpu.sh under NANOPOST_HOME)
 """
 from labkit import Lab, checkpoint, figure, parser

@@ -21,7 +21,7 @@ def test_clip_higher_smoke(lab_home, tmp_path):
     assert all(list(runs) == ["eps-0.2", "eps-0.28"] for runs in data["runs"].values())
     assert data["runs"]["minibatches-8"]["eps-0.2"]["flags"] == ["--minibatches", "8", "--eps-high", "0.2"]
     for run in [run for runs in data["runs"].values() for run in runs.values()]:
-        assert len(run["step"]) == len(run["entropy"]) == len(run["clip_frac"]) == 2 and run["eval_step"] == [0, 1, 2]
+        assert len(run["step"]) == len(run["entropy"]) == len(run["clip_frac"]) == len(run["accuracy"]) == 2 and run["eval_step"] == [0, 1, 2]
         assert list(run["pass@k"]) == ["1", "2"] and all(len(v) == 3 for v in run["pass@k"].values())
         assert len(run["greedy_pass@1"]) == 3
     large = data["large_k"]
