@@ -110,6 +110,8 @@ parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at mos
 parser.add_argument("--grad-clip", type=float, default=1.0)
 # evaluation and checkpoints
 parser.add_argument("--eval-every", type=int, default=20)
+parser.add_argument("--eval-before-train", action=argparse.BooleanOptionalAction, default=True,
+                    help="evaluate the starting model at step 0 (verl's val_before_train)")
 parser.add_argument("--save-every", type=int, default=20)
 add_run_flags(parser, "rl")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
@@ -397,7 +399,7 @@ def main():
         if args.off_policy or args.staleness else None
 
     final_scores = None
-    if start_step == 0 and eval_rows:  # every rank evaluates its share
+    if start_step == 0 and eval_rows and args.eval_before_train:  # every rank evaluates its share
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
     args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)

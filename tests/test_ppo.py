@@ -319,6 +319,18 @@ def test_loop_runs_with_critic_from_rm(tmp_path, tiny_chat, tok):
 
 
 @pytest.mark.slow
+def test_no_eval_before_train_skips_step_0_and_changes_nothing_else(tmp_path, tiny_chat):
+    """As in GRPO (tests/test_rl.py): without step 0's evaluation every step and the final evaluation are the same."""
+    timed = ("time", "seconds", "_per_s", "peak_mem")
+    with_eval, _ = ppo_run(tmp_path / "a", tiny_chat, "--freeze-actor-steps", "0")
+    without, _ = ppo_run(tmp_path / "b", tiny_chat, "--freeze-actor-steps", "0", "--no-eval-before-train")
+    assert [r["step"] for r in with_eval] == [0, 1, 2] and "eval/pass@1" in with_eval[0]
+    assert [r["step"] for r in without] == [1, 2]
+    numbers = [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in with_eval[1:]]
+    assert numbers == [{k: v for k, v in r.items() if not any(t in k for t in timed)} for r in without]
+
+
+@pytest.mark.slow
 def test_loop_on_two_ranks_without_rm_and_time_budget(tmp_path, tiny_chat):
     rows, out = ppo_run(tmp_path, tiny_chat, "--time-budget", "0.001", "--freeze-actor-steps", "0", nproc=2)
     assert "no reward model at" in out                            # the fallback is said out loud

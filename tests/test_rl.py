@@ -314,6 +314,24 @@ def rl_run(home, init, *extra, nproc=1):
         return [json.loads(line) for line in f]
 
 
+TIMED = ("time", "seconds", "_per_s", "peak_mem")  # what a run measures of the machine, not of the model
+
+
+@pytest.mark.slow
+def test_no_eval_before_train_skips_step_0_and_changes_nothing_else(tmp_path, tiny_chat):
+    """--no-eval-before-train (runs/cpu.sh, whose SFT stage has just evaluated the same model) drops step 0's
+    evaluation and nothing else: the evaluation samples from its own generator, so every step's numbers and the
+    final evaluation come out the same to the last digit."""
+    train = ("--lr", "1e-2", "--overlong-buffer", "24")  # the length penalty: rewards that differ, a gradient
+    with_eval = rl_run(tmp_path / "a", tiny_chat, *train)
+    without = rl_run(tmp_path / "b", tiny_chat, *train, "--no-eval-before-train")
+    assert [r["step"] for r in with_eval] == [0, 1, 2] and "eval/pass@1" in with_eval[0]
+    assert [r["step"] for r in without] == [1, 2]
+    numbers = [{k: v for k, v in r.items() if not any(t in k for t in TIMED)} for r in with_eval[1:]]
+    assert numbers == [{k: v for k, v in r.items() if not any(t in k for t in TIMED)} for r in without]
+    assert "eval/pass@1_t1" in without[-1] and with_eval[2]["loss"] != 0
+
+
 @pytest.mark.parametrize("mode", [[], ["--off-policy", "--correction", "token-mask"],
                                   ["--staleness", "1", "--correction", "sequence-tis", "--tis-cap", "0.5"]],
                          ids=["on-policy", "off-policy", "stale"])
