@@ -111,7 +111,7 @@ MUTANTS = [
     Mutant("sft-normalizer-per-micro-batch", "chat_sft.py",
            "loss = sft_loss(fwd(x, y, doc_ids=d), n_global)",
            "loss = sft_loss(fwd(x, y, doc_ids=d), float((y != IGNORE).sum()))",
-           (SFT + "test_accumulation_ddp_and_fsdp_equal_one_big_batch",),
+           (SFT + "test_accumulation_equals_one_big_batch",),
            "SFT divides each micro-batch by its own token count (verl#5625)"),
     # advantages
     Mutant("grpo-sample-std", "chat_rl.py",

@@ -168,17 +168,31 @@ def final_weights(home):
     return load_file(os.path.join(home, "sft", "default", "checkpoints", "step_000003", "model.safetensors"))
 
 
-def test_accumulation_ddp_and_fsdp_equal_one_big_batch(tmp_path, tiny_base):
+def assert_same_training(one, other):
+    assert len(one) == len(other) == 3
+    for a, b in zip(one, other):
+        assert a["trained_tokens"] == b["trained_tokens"]
+        # the gradient norm too: AdamW would hide a gradient scaled by the number of micro-batches or ranks
+        assert abs(a["loss"] - b["loss"]) < 1e-4 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-3
+
+
+def test_accumulation_equals_one_big_batch(tmp_path, tiny_base):
+    """4 micro-batches of 2 rows train what one batch of 8 trains: each is divided by the step's token count."""
     one = sft_run(tmp_path / "one", tiny_base, "--device-batch-size", "8")
-    accum = sft_run(tmp_path / "accum", tiny_base, "--device-batch-size", "2")
+    assert_same_training(one, sft_run(tmp_path / "accum", tiny_base, "--device-batch-size", "2"))
+    want, got = final_weights(tmp_path / "one"), final_weights(tmp_path / "accum")
+    assert set(got) == set(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
+def test_ddp_and_fsdp_equal_one_big_batch(tmp_path, tiny_base):
+    one = sft_run(tmp_path / "one", tiny_base, "--device-batch-size", "8")
     ddp = sft_run(tmp_path / "ddp", tiny_base, "--device-batch-size", "2", nproc=2)
     fsdp = sft_run(tmp_path / "fsdp", tiny_base, "--device-batch-size", "2", "--fsdp", nproc=2)
-    assert len(one) == 3
-    for other in (accum, ddp, fsdp):
-        for a, b in zip(one, other):
-            assert a["trained_tokens"] == b["trained_tokens"]
-            # the gradient norm too: AdamW would hide a gradient scaled by the number of ranks
-            assert abs(a["loss"] - b["loss"]) < 1e-4 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-3
+    for other in (ddp, fsdp):
+        assert_same_training(one, other)
     want = final_weights(tmp_path / "one")
     for name in ("ddp", "fsdp"):
         got = final_weights(tmp_path / name)  # the FSDP2 folder is gathered tensor by tensor from the shards
