@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite: installs the test requirements into .venv (on a fresh machine) and runs pytest.
-#   bash runs/test.sh            # the quick tier (~4 min on 2 cores): every module, every planted mutant's catcher
+#   bash runs/test.sh            # the quick tier (4-5 min on 2 cores): every module, every planted mutant's catcher
 #   bash runs/test.sh --all      # everything: also the multi-rank, kill -9, real-vocabulary and end-to-end tests (CI)
 #   bash runs/test.sh tests/test_rl.py -k advantages    # any pytest arguments after
 set -euo pipefail
