@@ -5,6 +5,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
 
+# runs/test.sh runs one pytest-xdist worker per usable core. Each worker gets its share of the cores, as
+# torchrun's ranks do (common.init_dist): two workers of two threads each on two cores run several times
+# slower than two of one. OMP_NUM_THREADS carries the share to the stages that tests run as subprocesses.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    import torch
+    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+
 
 @pytest.fixture(scope="session")
 def tok():

@@ -12,6 +12,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lab_home")  # one worker builds the session's lab_home, not each
 def test_smoke_writes_the_figure_and_the_json_the_page_quotes(lab_home, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "lab", "dpo_likelihood.py"), "--smoke", "--home",
                         str(lab_home), "--out", str(tmp_path), "--threads", "1"], capture_output=True, text=True,

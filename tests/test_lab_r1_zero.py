@@ -11,6 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lab_home")  # one worker builds the session's lab_home, not each
 def test_r1_zero_writes_its_figure_and_the_keys_its_page_quotes(lab_home, tmp_path):
     r = subprocess.run([sys.executable, os.path.join(REPO, "lab", "r1_zero.py"), "--home", str(lab_home), "--out",
                         str(tmp_path), "--smoke", "--threads", "1"], capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ def run_lab(name, home, out):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lab_home")  # one worker builds the session's lab_home, not each
 def test_sampler_trainer_smoke(lab_home, tmp_path):
     data = run_lab("sampler_trainer", lab_home, tmp_path)
     f32, bf16 = data["one_batch"]["float32"], data["one_batch"]["bfloat16"]
@@ -37,6 +38,7 @@ def test_sampler_trainer_smoke(lab_home, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lab_home")  # one worker builds the session's lab_home, not each
 def test_staleness_smoke(lab_home, tmp_path):
     data = run_lab("staleness", lab_home, tmp_path)
     runs = data["runs"]
