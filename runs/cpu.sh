@@ -54,5 +54,5 @@ with open(path, "w") as f:
     json.dump(timings, f, indent=2)
 print("stage seconds: " + "  ".join(f"{k} {v}" for k, v in timings["stage_s"].items()) + f"  total {total}")
 print(f"speed reference: {timings['speed_reference']['matmul_s']} s for 64 products of 512x512 float32 "
-      f"matrices ({timings['speed_reference']['threads']} threads) -> {path}")
+      f"matrices ({timings['speed_reference']['threads']} threads) on {timings['cpu']} -> {path}")
 PYEOF
