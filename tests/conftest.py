@@ -10,7 +10,8 @@ import pytest
 # slower than two of one. OMP_NUM_THREADS carries the share to the stages that tests run as subprocesses.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     import torch
-    _threads = max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    from common import usable_cpus
+    _threads = max(1, usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     torch.set_num_threads(_threads)
     os.environ["OMP_NUM_THREADS"] = str(_threads)
 
