@@ -3,7 +3,9 @@
 # On a fresh machine it installs what it needs (a .venv next to the code), then runs every stage and
 # ends by writing $NANOPOST_HOME/report.json (held-out metrics per stage) and printing it as a table.
 # Every stage stops after a fixed number of steps, so the same machine gives the same report.json to the
-# last digit; the stage times and a machine-speed reference go to timings.json beside it.
+# last digit; the stage times and a machine-speed reference go to timings.json beside it. On a CPU with
+# bfloat16 units (AVX-512 BF16, AMX) the training forwards autocast to bfloat16, elsewhere float32
+# (common.train_dtype); NANOPOST_CPU_AUTOCAST=float32 bash runs/cpu.sh trains in float32 everywhere.
 #   bash runs/cpu.sh                    # everything under ./out/cpu
 #   NANOPOST_HOME=/tmp/np bash runs/cpu.sh
 #   OVERWRITE=0 bash runs/cpu.sh        # refuse, rather than replace, the runs of an earlier pipeline there
@@ -42,10 +44,11 @@ $PY - "$((SECONDS - t_all))" "${TIMES[@]}" <<'PYEOF'
 import json, os, platform, sys
 sys.path.insert(0, "benchmarks")
 import torch
+from common import train_dtype
 from speed_reference import speed_reference
 total, stages = int(sys.argv[1]), dict(kv.split("=") for kv in sys.argv[2:])
 timings = {"stage_s": {k: int(v) for k, v in stages.items()}, "total_s": total, "speed_reference": speed_reference(),
-           "torch": torch.__version__, "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+           "train_dtype": str(train_dtype("cpu")).removeprefix("torch."), "torch": torch.__version__, "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                                      if line.startswith("model name")), platform.machine())
            if os.path.exists("/proc/cpuinfo") else platform.machine(),
            "usable_cpus": len(os.sched_getaffinity(0))}
@@ -54,5 +57,6 @@ with open(path, "w") as f:
     json.dump(timings, f, indent=2)
 print("stage seconds: " + "  ".join(f"{k} {v}" for k, v in timings["stage_s"].items()) + f"  total {total}")
 print(f"speed reference: {timings['speed_reference']['matmul_s']} s for 64 products of 512x512 float32 "
-      f"matrices ({timings['speed_reference']['threads']} threads) on {timings['cpu']} -> {path}")
+      f"matrices ({timings['speed_reference']['threads']} threads) on {timings['cpu']}; training forwards in "
+      f"{timings['train_dtype']} -> {path}")
 PYEOF

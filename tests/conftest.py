@@ -5,6 +5,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pytest
 
+# On a CPU with bfloat16 units the stages train under bfloat16 autocast (common.train_dtype), elsewhere in
+# float32. The suite pins float32, in this process and in the stages it runs as subprocesses, so that every
+# machine checks the same numbers; tests/test_cpu_autocast.py sets bfloat16 where it tests that path.
+os.environ["NANOPOST_CPU_AUTOCAST"] = "float32"
+
 # runs/test.sh runs one pytest-xdist worker per usable core. Each worker gets its share of the cores, as
 # torchrun's ranks do (common.init_dist): two workers of two threads each on two cores run several times
 # slower than two of one. OMP_NUM_THREADS carries the share to the stages that tests run as subprocesses.

@@ -27,8 +27,8 @@ PIPELINE = [
 ]
 
 
-def run_pipeline(home):
-    env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
+def run_pipeline(home, cpu_autocast="float32"):
+    env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1", "NANOPOST_CPU_AUTOCAST": cpu_autocast}
     for nproc, script, args in PIPELINE:
         launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                         f"--nproc_per_node={nproc}"]
@@ -43,8 +43,9 @@ def run_pipeline(home):
 
 
 @pytest.mark.slow
-def test_the_same_pipeline_twice_gives_the_same_report_byte_for_byte(tmp_path):
-    first, second = run_pipeline(tmp_path / "a"), run_pipeline(tmp_path / "b")
+@pytest.mark.parametrize("cpu_autocast", ["float32", "bfloat16"])  # bfloat16: runs/cpu.sh on a CPU with its units
+def test_the_same_pipeline_twice_gives_the_same_report_byte_for_byte(tmp_path, cpu_autocast):
+    first, second = run_pipeline(tmp_path / "a", cpu_autocast), run_pipeline(tmp_path / "b", cpu_autocast)
     report = json.loads(first)
     assert list(report) == ["base", "sft", "rm", "dpo", "rl", "ppo"]
     assert first == second, "two runs of the same pipeline wrote different report.json files"
