@@ -199,8 +199,8 @@ def compute_dtype(device) -> torch.dtype:
 
 
 def cpu_has_bf16_units() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (x86 AVX-512 BF16 or AMX): there a bfloat16 matmul
-    beats float32 (a base step x0.64 on a Zen 4 EPYC); elsewhere bfloat16 is emulated, and slower."""
+    """Whether this CPU multiplies bfloat16 in hardware (x86 AVX-512 BF16 or AMX): there bfloat16 autocast
+    beats float32 (a base step x0.64 on a 2-core AMD EPYC, docs/speed.md); elsewhere it only adds casts."""
     return any(getattr(torch.cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported",
                                                                       "_is_amx_tile_supported"))
 

@@ -8,7 +8,9 @@ collapse traced to that gap). The fixes weight or drop the tokens by that ratio 
 token-tis, min(p_trainer / p_engine, 2) per token (truncated importance sampling, verl#2953), the default; token-mask,
 drop a token whose probabilities differ by more than 0.1 (prime-rl); none. nanopost's own engine samples in the
 trainer's numerics (float32 on CPU: the two agree to ~1e-7 nats), so this experiment makes the gap on purpose with
-chat_rl.py --engine-dtype bfloat16: the engine's weights and KV cache in bfloat16, its head in float32.
+chat_rl.py --engine-dtype bfloat16: the engine's weights and KV cache in bfloat16, its head in float32. (On a CPU
+with bfloat16 units the stages' trainer autocasts to bfloat16, common.train_dtype: this experiment pins it to
+float32, so that the gap it measures is the sampler's alone.)
 
 Part 1, one batch in this process: SFT_PROMPTS prompts x 8 answers sampled by a float32 and by a bfloat16 engine
 over the same SFT weights, each answer's tokens then scored by the float32 trainer (rollout.batch_logprobs); the
@@ -24,6 +26,7 @@ the engine's tokens a second; greedy held-out pass@1 at the start and the end.
     python lab/sampler_trainer.py --home /tmp/np
     python lab/staleness.py                    # the second half of docs/lab/sampler_trainer.md: samplers k steps old
 """
+import os
 import sys
 import time
 
@@ -38,6 +41,8 @@ from rewards import Grader  # noqa: E402
 from rollout import ENGINE_DTYPES, batch_logprobs, sample, sampler_correction, training_batch  # noqa: E402
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
+
+os.environ["NANOPOST_CPU_AUTOCAST"] = "float32"  # the float32 trainer, here and in the chat_rl.py runs it starts
 
 CONFIGS = {  # run name -> chat_rl.py flags
     "float32-tis": ["--engine-dtype", "float32", "--correction", "token-tis"],

@@ -385,6 +385,11 @@ MUTANTS = [
            "--lora-alpha never reaches the adapters: the scale is always 2"),
     Mutant("lora-dropout-ignored", "lora.py", '"dropout": args.lora_dropout,', '"dropout": 0.0,',
            (W_LORA + "[lora-dropout_0.25]",), "--lora-dropout never reaches the adapters"),
+    Mutant("cpu-autocast-ignored", "common.py", "dtype = dtype or train_dtype(dev)", "dtype = dtype or compute_dtype(dev)",
+           ("tests/test_cpu_autocast.py::test_bfloat16_reaches_the_loss_and_repeats_itself",
+            "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"
+            "[auto-True-dtype0]"),
+           "a CPU with bfloat16 units trains in float32 anyway, whatever $NANOPOST_CPU_AUTOCAST says"),
 ]
 
 
