@@ -48,7 +48,8 @@ from common import train_dtype
 from speed_reference import speed_reference
 total, stages = int(sys.argv[1]), dict(kv.split("=") for kv in sys.argv[2:])
 timings = {"stage_s": {k: int(v) for k, v in stages.items()}, "total_s": total, "speed_reference": speed_reference(),
-           "train_dtype": str(train_dtype("cpu")).removeprefix("torch."), "torch": torch.__version__, "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+           "train_dtype": str(train_dtype("cpu")).removeprefix("torch."),
+           "torch": torch.__version__, "cpu": next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                                                      if line.startswith("model name")), platform.machine())
            if os.path.exists("/proc/cpuinfo") else platform.machine(),
            "usable_cpus": len(os.sched_getaffinity(0))}
