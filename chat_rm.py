@@ -48,12 +48,12 @@ parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on pre
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
 parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
 parser.add_argument("--eval-data", default=None, help="held-out preference rows (default: the last 2%% of --data)")
-parser.add_argument("--num-train", type=int, default=4000, help="embedded-world training pairs (125 steps at --batch-size 32)")
-parser.add_argument("--kinds", default="wrong_step=6,missing_answer=1,rambling=1",
+parser.add_argument("--num-train", type=int, default=8000, help="embedded-world training pairs (500 steps at --batch-size 16)")
+parser.add_argument("--kinds", default="wrong_step=14,missing_answer=1,rambling=1",
                     help="embedded-world training mix, kind=weight (held-out pairs are always an equal mix)")
 parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's last 2%%)")
 parser.add_argument("--max-len", type=int, default=512, help="a pair whose prompt + answer exceeds this is dropped (counted)")
-parser.add_argument("--batch-size", type=int, default=32, help="pairs per optimizer step, all ranks together")
+parser.add_argument("--batch-size", type=int, default=16, help="pairs per optimizer step, all ranks together")
 parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a pair count)")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
@@ -110,7 +110,7 @@ def lm_regularizer(target_logprobs, n_tokens):
     0.930 (0.79) with lm_coef 1; 0.917 (0.75) with lm_coef 2, and 0.910 (0.73) against 0.883 (0.65)
     for lm_coef 1 at --seed 1 (other pairs, held-out ones too). Again on 2026-12-05 (the SFT run of runs/cpu.sh at
     44a22d4, 4,000 pairs, 125 steps): 0.870 (lm_coef 2), 0.880 (lm_coef 1); with 12,000 pairs (375 steps) lm_coef 2
-    gave 0.856, so the default is 4,000 pairs and lm_coef 1."""
+    gave 0.856, so lm_coef stays 1 (how many pairs pay, and in what batches: docs/rm.md)."""
     return -target_logprobs.sum() / n_tokens
 
 
