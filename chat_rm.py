@@ -65,7 +65,7 @@ parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--center-coef", type=float, default=0.01, help="weight of mean((r_c + r_r)^2); 0 turns it off")
 parser.add_argument("--lm-coef", type=float, default=1.0,
                     help="weight of the LM loss on the chosen answers (GRM's regularizer); 0 turns it off")
-parser.add_argument("--eval-every", type=int, default=100, help="steps between held-out evaluations")
+parser.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (and the last step)")
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--compile", action="store_true")
 add_run_flags(parser, "rm")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
@@ -270,6 +270,7 @@ def main():
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
+    ev = None  # the latest held-out evaluation; the loop's last step always makes one
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="rm")
     for step in bar:
         lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
@@ -324,7 +325,8 @@ def main():
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
 
-    ev = evaluate_pairs(model, val_pairs)  # every rank its share
+    if ev is None:  # resumed with no step left to train
+        ev = evaluate_pairs(model, val_pairs)  # every rank its share
     print0("held-out pairs: " + scores_line(ev, len(val_pairs)))
     log.log(total_steps, **{f"final/{k}": v for k, v in ev.items()})
     write_eval(out_dir, ev)
