@@ -182,3 +182,15 @@ def test_ddp_and_accumulation_equal_one_big_batch_and_the_rm_loads(tmp_path, tin
     assert model.config.head == "scalar" and len(score(model, [[1, 2, 3], [4, 5]])) == 2
     with pytest.raises(ValueError, match="not a reward model"):
         load_reward_model(tiny_chat)
+
+
+def test_the_last_steps_evaluation_is_the_one_written_and_a_finished_run_resumes(tmp_path, tiny_chat):
+    """eval.json is the loop's evaluation at the last step (not a second pass); resuming a finished run trains
+    nothing and evaluates the saved model once, to the same numbers."""
+    rows = rm_run(tmp_path, tiny_chat)
+    with open(tmp_path / "rm" / "default" / "eval.json") as f:
+        first = json.load(f)
+    assert rows[-1]["step"] == 3 and rows[-1]["val/pair_accuracy"] == round(first["pair_accuracy"], 4)
+    rm_run(tmp_path, tiny_chat, "--resume")
+    with open(tmp_path / "rm" / "default" / "eval.json") as f:
+        assert json.load(f) == first
