@@ -25,12 +25,8 @@ SFT checkpoint and of each default run's last checkpoint (chat_eval.py --model M
 """
 import json
 import os
-import shlex
-import subprocess
-import sys
-import time
 
-from labkit import REPO, Lab, checkpoint, figure, parser
+from labkit import RL_SMOKE, Lab, checkpoint, figure, parser
 
 CONFIGS = {"eps-0.2": ["--eps-high", "0.2"], "eps-0.28": ["--eps-high", "0.28"]}  # run name -> chat_rl.py flags
 STEPS, PROMPTS, EVAL_EVERY, EVAL_PROBLEMS, K = 30, 16, 10, 100, 16
@@ -39,8 +35,6 @@ LARGE_K, LARGE_K_PROBLEMS = 64, 100
 # (clip_frac < 0.5%): 8 smaller optimizer steps per batch, the same tokens, so that the later ones move the policy
 # further from the snapshot that sampled
 VARIANTS = {"default": [], "minibatches-8": ["--minibatches", "8"]}
-SMOKE = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--num-prompts", "16",
-         "--eval-problems", "4", "--max-resample", "1"]  # the test home's tiny model, without the calculator
 
 
 def pass_at_large_k(lab, model, out, *, samples, problems, smoke):
@@ -48,19 +42,9 @@ def pass_at_large_k(lab, model, out, *, samples, problems, smoke):
     ranks unless smoke), its JSON written to `out`; returns {k: pass@k}."""
     flags = ["--model", model, "--samples", samples, "--temperature", "1.0", "--problems", problems, "--out", out]
     flags += ["--max-new-tokens", "24"] if smoke else ["--max-new-tokens", "192", "--tools"]
-    launcher = ["python"] if smoke else ["torchrun", "--standalone", "--nproc_per_node=2"]
-    shown = " ".join(launcher + ["chat_eval.py"] + [shlex.quote(str(f)) for f in flags])
-    print(f"[clip_higher] {shown}", flush=True)
     if os.path.exists(out):
         os.remove(out)  # chat_eval --out adds to what the file holds: start empty
-    cmd = [sys.executable] + ([] if smoke else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"])
-    env = {**os.environ, "NANOPOST_HOME": lab.home, **({"OMP_NUM_THREADS": str(lab.threads)} if lab.threads else {})}
-    t = time.time()
-    r = subprocess.run(cmd + [os.path.join(REPO, "chat_eval.py")] + [str(f) for f in flags], env=env, cwd=REPO,
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"[clip_higher] failed ({r.returncode}): {shown}\n{(r.stdout + r.stderr)[-3000:]}")
-    lab.commands.append({"command": shown, "seconds": round(time.time() - t, 1)})
+    lab.command("chat_eval.py", *flags, nproc=1 if smoke else 2)
     with open(out) as f:
         scores = json.load(f)
     return {k: scores[f"pass@{k}_t1"] for k in range(1, samples + 1)}
@@ -73,7 +57,7 @@ def main():
     k, large_k = (2, 4) if args.smoke else (K, LARGE_K)
     common = ["--init", sft, "--seed", "0", "--pass-k", k, "--save-every", "100000"]
     if args.smoke:
-        common += SMOKE + ["--eval-every", "1"]
+        common += RL_SMOKE + ["--eval-every", "1"]
     else:
         common += ["--tools", "--steps", STEPS, "--prompts-per-step", PROMPTS, "--eval-problems", EVAL_PROBLEMS,
                    "--eval-every", EVAL_EVERY]
@@ -119,8 +103,7 @@ def main():
 
     # a row per variant: entropy, pass@1 and pass@k against steps, pass@1..k at the start and the end; on the right
     # the clip fraction of every run, and part 2
-    fig, axes = figure(len(VARIANTS), 4)
-    fig.set_layout_engine("constrained")
+    fig, axes = figure(len(VARIANTS), 4, layout="constrained")
     for row, (variant, variant_runs) in enumerate(runs.items()):
         ax = axes[4 * row:4 * row + 3]
         for i, (name, r) in enumerate(variant_runs.items()):

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from checkpoint import load_hf, resolve_model_path  # noqa: E402
 from data import rl_rows  # noqa: E402
 from engine import Engine  # noqa: E402
-from labkit import Lab, checkpoint, figure, parser  # noqa: E402
+from labkit import Lab, checkpoint, figure, moving_average, parser  # noqa: E402
 from rewards import Grader, answer_text  # noqa: E402
 from rollout import sample  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
@@ -128,19 +128,13 @@ runs = {f"beta={b:g}": rl_against(rm, b, f"lab-goodhart-beta{b:g}") for b in LEA
 runs["weak-rm, beta=0"] = rl_against(weak_rm, 0.0, "lab-goodhart-weak-rm-beta0")
 samples = {name: exploits(runs[name]) for name in ("beta=0", "weak-rm, beta=0")}
 
-def smooth(values, k=5):
-    """The mean of each value and the k - 1 before it (fewer at the start): one step's 256 answers are noisy."""
-    return [sum(values[max(0, i - k + 1):i + 1]) / len(values[max(0, i - k + 1):i + 1]) for i in range(len(values))]
-
-
-fig, (ax_proxy, ax_gold, ax_heldout, ax_kl) = figure(2, 2, height=4.2)
-fig.set_layout_engine("constrained")
+fig, (ax_proxy, ax_gold, ax_heldout, ax_kl) = figure(2, 2, height=4.2, layout="constrained")
 for (name, run), (color, style) in zip(runs.items(), (("C3", "-"), ("C0", "-"), ("C2", "-"), ("C3", ":"))):
     x = [s["sqrt_kl"] for s in run["steps"]]
     for ax, key in ((ax_proxy, "proxy"), (ax_gold, "gold")):  # each step a dot, their running mean a line
         y = [s[key] for s in run["steps"]]
         ax.plot(x, y, ".", color=color, alpha=0.3, markersize=4)
-        ax.plot(smooth(x), smooth(y), style, color=color, label=name)
+        ax.plot(moving_average(x), moving_average(y), style, color=color, label=name)  # one step's answers are noisy
     hx = [e["sqrt_kl"] for e in run["heldout"]]
     ax_heldout.plot(hx, [e["proxy"] for e in run["heldout"]], "o" + style, color=color, label=f"{name}: proxy (RM)")
     ax_heldout.plot(hx, [e["gold"] for e in run["heldout"]], "s--", color=color, mfc="none",

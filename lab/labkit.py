@@ -38,6 +38,17 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+# chat_rl.py at smoke size: the test home's tiny model, without the calculator
+RL_SMOKE = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--num-prompts", "16",
+            "--eval-problems", "4", "--max-resample", "1"]
+
+
+def moving_average(values, width=5):
+    """The mean of each value and the width - 1 before it (fewer at the start)."""
+    return [sum(values[max(0, i - width + 1):i + 1]) / len(values[max(0, i - width + 1):i + 1])
+            for i in range(len(values))]
+
+
 def checkpoint(home: str, stage: str, run: str = "default") -> str:
     """A run directory of the pipeline, or a clear error naming the command that makes it."""
     path = os.path.join(home, stage, run)
@@ -59,7 +70,14 @@ class Lab:
     def run(self, script: str, *flags, stage: str, run_name: str, nproc: int = 1) -> str:
         """Run `script` with `flags` (strings) under $NANOPOST_HOME=home, as run `run_name` (replacing an earlier
         one), on `nproc` ranks. Output goes to the run's lab.log; a failure stops the experiment with its tail."""
-        flags = [str(f) for f in flags] + ["--run-name", run_name, "--overwrite"]
+        path = os.path.join(self.home, stage, run_name)
+        self.command(script, *flags, "--run-name", run_name, "--overwrite", nproc=nproc, log=os.path.join(path, "lab.log"))
+        return path
+
+    def command(self, script: str, *flags, nproc: int = 1, log: str | None = None):
+        """Run `script` with `flags` under $NANOPOST_HOME=home on `nproc` ranks, its command line and seconds
+        recorded; its output written to `log` (if given); a failure stops the experiment with its tail."""
+        flags = [str(f) for f in flags]
         launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                         f"--nproc_per_node={nproc}"]
         cmd = launcher + [os.path.join(REPO, script)] + flags
@@ -71,14 +89,13 @@ class Lab:
             env["OMP_NUM_THREADS"] = str(self.threads)
         t = time.time()
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
-        path = os.path.join(self.home, stage, run_name)
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "lab.log"), "w") as f:
-            f.write(r.stdout + r.stderr)
+        if log:
+            os.makedirs(os.path.dirname(log), exist_ok=True)
+            with open(log, "w") as f:
+                f.write(r.stdout + r.stderr)
         if r.returncode != 0:
             raise SystemExit(f"[{self.name}] failed ({r.returncode}): {shown}\n{(r.stdout + r.stderr)[-3000:]}")
         self.commands.append({"command": shown, "seconds": round(time.time() - t, 1)})
-        return path
 
     @staticmethod
     def metrics(run_dir: str) -> list:
@@ -106,9 +123,9 @@ class Lab:
         return path
 
 
-def figure(rows: int = 1, cols: int = 1, width: float = 5.0, height: float = 3.6):
-    """A matplotlib figure and its axes (a flat list), drawn off-screen."""
+def figure(rows: int = 1, cols: int = 1, width: float = 5.0, height: float = 3.6, layout=None):
+    """A matplotlib figure and its axes (a flat list), drawn off-screen; layout: matplotlib's layout engine."""
     from matplotlib.figure import Figure  # optional: the lab's pictures only
-    fig = Figure(figsize=(width * cols, height * rows))
+    fig = Figure(figsize=(width * cols, height * rows), layout=layout)
     axes = fig.subplots(rows, cols, squeeze=False)
     return fig, [ax for row in axes for ax in row]

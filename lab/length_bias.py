@@ -25,7 +25,7 @@ accuracy against steps, a row per variant.
     python lab/length_bias.py                  # ~16 min on 2 cores; docs/lab/length_bias.{json,png}
     python lab/length_bias.py --home /tmp/np   # another pipeline's checkpoints (runs/cpu.sh under NANOPOST_HOME)
 """
-from labkit import Lab, checkpoint, figure, parser
+from labkit import RL_SMOKE, Lab, checkpoint, figure, moving_average, parser
 
 CONFIGS = {  # run name -> chat_rl.py flags: the one setting each run changes
     "grpo": ["--agg", "seq-mean-token-mean"],
@@ -36,8 +36,6 @@ CONFIGS = {  # run name -> chat_rl.py flags: the one setting each run changes
 # aggregations did not differ with it (the calculator's results lengthen the answers whatever the aggregation)
 VARIANTS = {"tools": ["--tools"], "no-tools": []}
 STEPS, PROMPTS, EVAL_PROBLEMS = 40, 16, 200
-SMOKE = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--num-prompts", "16",
-         "--eval-problems", "4", "--max-resample", "1"]  # the test home's tiny model, without the calculator
 
 
 def last_fifth(rows, key):
@@ -47,18 +45,13 @@ def last_fifth(rows, key):
     return sum(part) / len(part) if part else None
 
 
-def moving_average(values, width=5):
-    return [sum(values[max(0, i - width + 1):i + 1]) / len(values[max(0, i - width + 1):i + 1])
-            for i in range(len(values))]
-
-
 def main():
     args = parser("length_bias", __doc__.strip().split("\n\n")[0]).parse_args()
     lab = Lab("length_bias", args)
     sft = checkpoint(args.home, "sft")
     common = ["--init", sft, "--seed", "0", "--pass-k", "0", "--save-every", "100000"]
     if args.smoke:
-        common += SMOKE + ["--eval-every", "2"]
+        common += RL_SMOKE + ["--eval-every", "2"]
     else:
         common += ["--steps", STEPS, "--prompts-per-step", PROMPTS, "--eval-problems", EVAL_PROBLEMS, "--eval-every", STEPS]
     # the smoke home's tiny model has no calculator (its tool prompt would overflow): the second half only
@@ -87,8 +80,7 @@ def main():
                   f"{run['end']['length_correct']}, wrong {run['first_step']['length_wrong']} -> "
                   f"{run['end']['length_wrong']}, held-out pass@1 {run['heldout_pass@1']}", flush=True)
 
-    fig, axes = figure(len(runs), 3)
-    fig.set_layout_engine("constrained")
+    fig, axes = figure(len(runs), 3, layout="constrained")
     panels = [("length_wrong", "wrong answers: mean length (tokens)"),
               ("length_correct", "right answers: mean length (tokens)"), ("accuracy", "accuracy of the step's answers")]
     for row, (variant, variant_runs) in enumerate(runs.items()):

@@ -100,8 +100,7 @@ def answers_of(run, prompt_format, tools):
 
 runs = {name: grpo(name, init, fmt, tools) for name, (init, fmt, tools, _) in STARTS.items()}
 
-fig, axes = figure(2, 2, height=4.0)
-fig.set_layout_engine("constrained")
+fig, axes = figure(2, 2, height=4.0, layout="constrained")
 for (name, run), color in zip(runs.items(), ("C3", "C1", "C0", "C1", "C0")):
     label, style = STARTS[name][3], "--" if run["tools"] else "-"
     x = [s["step"] for s in run["steps"]]

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from labkit import REPO, Lab, checkpoint, figure, parser
+from labkit import REPO, RL_SMOKE, Lab, checkpoint, figure, moving_average, parser
 
 sys.path.insert(0, REPO)
 from checkpoint import load_hf, resolve_model_path  # noqa: E402
@@ -51,8 +51,6 @@ CONFIGS = {  # run name -> chat_rl.py flags
     "bfloat16-mask": ["--engine-dtype", "bfloat16", "--correction", "token-mask"],
 }
 STEPS, PROMPTS, EVAL_PROBLEMS, SFT_PROMPTS = 30, 16, 200, 32
-SMOKE = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--num-prompts", "16",
-         "--eval-problems", "4", "--max-resample", "1"]  # the test home's tiny model, without the calculator
 GAP_BINS = [10.0 ** e for e in range(-9, 2)]  # |log p_trainer - log p_engine| histogram edges, 1e-9 .. 10 nats
 WEIGHT_BINS = [0.5, 0.9, 0.99, 0.999, 1.001, 1.01, 1.1, 1.999, 2.0]  # token-tis weights: around 1, and the cap 2
 
@@ -107,11 +105,6 @@ def one_batch(sft, *, prompts, group, max_new_tokens, tools):
     return out
 
 
-def moving_average(values, width=5):
-    return [sum(values[max(0, i - width + 1):i + 1]) / len(values[max(0, i - width + 1):i + 1])
-            for i in range(len(values))]
-
-
 def main():
     args = parser("sampler_trainer", __doc__.strip().split("\n\n")[0]).parse_args()
     lab = Lab("sampler_trainer", args)
@@ -128,7 +121,7 @@ def main():
     # part 2: RL with a bfloat16 engine, each correction, against a float32 engine
     common = ["--init", sft, "--seed", "0", "--pass-k", "0", "--save-every", "100000"]
     if args.smoke:
-        common += SMOKE + ["--eval-every", "2"]
+        common += RL_SMOKE + ["--eval-every", "2"]
     else:
         common += ["--tools", "--steps", STEPS, "--prompts-per-step", PROMPTS, "--eval-problems", EVAL_PROBLEMS,
                    "--eval-every", STEPS]
@@ -151,8 +144,7 @@ def main():
         print(f"[sampler_trainer] {name}: mismatch {r['logprob_mismatch'][0]:.2e} -> {r['logprob_mismatch'][-1]:.2e}; "
               f"held-out pass@1 {r['heldout_pass@1']['start']:.3f} -> {r['heldout_pass@1']['end']:.3f}", flush=True)
 
-    fig, axes = figure(2, 2)
-    fig.set_layout_engine("constrained")
+    fig, axes = figure(2, 2, layout="constrained")
     for i, (name, b) in enumerate(batch.items()):
         axes[0].stairs(b["gap_histogram"]["counts"], GAP_BINS, color=f"C{i}", label=f"{name} engine")
     axes[0].set_xscale("log")

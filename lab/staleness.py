@@ -98,8 +98,7 @@ def main():
                                for r in rows if r["step"] == 0), None)
     print(table(summaries), flush=True)
 
-    fig, axes = figure(1, 3)
-    fig.set_layout_engine("constrained")
+    fig, axes = figure(1, 3, layout="constrained")
     for i, (name, c) in enumerate(curves.items()):
         style = {"color": f"C{i // 2}", "linestyle": "--" if name.endswith("none") else "-"}
         axes[0].plot(c["step"], c["reward"], label=name, **style)
