@@ -22,7 +22,7 @@ import time
 import torch
 
 import peak_memory
-from checkpoint import load_model, resume_checkpoint, resume_step, save_checkpoint
+from checkpoint import load_model, resume_checkpoint, resume_state, save_checkpoint
 from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
                     check_finite, dist_info, fit_warmup, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
                     peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
@@ -150,7 +150,7 @@ def main():
     model = wrap_model(model, fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = resume_step(ckpt, optimizer, model)
+    start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters, {config}")
     fwd = torch.compile(model) if args.compile else model
 

@@ -26,6 +26,8 @@ chat_rl.update_policy with per-token advantages; 4. log. With --mode kd the teac
 the student maximizes the likelihood of the teacher's tokens (kd_update): supervised, off-policy, for
 contrast. Left out: the full-vocabulary KL at each position (GKD's token-level divergences; it needs the
 teacher's logits, V floats per token, where a sampled token's log-prob is one), and a KL to the start.
+Both models' log-probs are taken at the sampling --temperature; with --tools the teacher scores the student's
+sampled tokens of its multi-turn tool rollouts (tool results are never trained).
 
     python chat_distill.py                                         # 1 CPU: the SFT run learns from the RL run
     python chat_distill.py --tools                                 # the calculator offered, as the RL run had it
@@ -45,17 +47,16 @@ import torch
 
 import peak_memory
 from chat_rl import update_policy
-from checkpoint import load_config, load_model, load_training_state, resolve_model_path, resume_checkpoint, save_checkpoint
-from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
-                    compute_dtype, fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
-                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
-                    write_eval)
+from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_state, save_checkpoint
+from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, compute_dtype,
+                    fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
 from data import rl_rows
 from engine import Engine
 from evaluation import heldout_scores
 from packing import micro_batches
 from rewards import Grader
-from rollout import (CORRECTIONS, batch_logprobs, draw_prompts, prompt_length, prompts_per_rank, sample,
+from rollout import (add_sampling_flags, batch_logprobs, draw_prompts, prompt_length, prompts_per_rank, sample,
                      sampler_correction, training_batch)
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import Tokenizer, settle_chat_template
@@ -66,34 +67,16 @@ parser.add_argument("--teacher", default=None, help="the teacher: model folder o
 parser.add_argument("--mode", choices=["on-policy", "kd"], default="on-policy",
                     help="the student samples and the teacher grades each token; or (kd) the teacher samples and "
                     "the student learns its answers by NLL")
-parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
-parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
-parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
-parser.add_argument("--steps", type=int, default=60, help="sampling batches (each followed by optimizer steps)")
-parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
-parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per batch, all ranks together")
+add_sampling_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, --correction, ...
 parser.add_argument("--samples-per-prompt", type=int, default=4, help="answers sampled per prompt")
-parser.add_argument("--max-new-tokens", type=int, default=192)
-parser.add_argument("--tools", action="store_true", help="offer the calculator: the student's multi-turn tool rollouts, "
-                    "the teacher scores its sampled tokens (tool results are never trained)")
-parser.add_argument("--max-tool-turns", type=int, default=6)
-parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; both models' log-probs are taken at it")
 parser.add_argument("--discount", type=float, default=0.0, help="a token's advantage adds the discounted rewards of "
                     "the tokens after it (0: its own reverse KL only, as Thinking Machines; 1: the whole rest of the answer)")
 parser.add_argument("--eps-low", type=float, default=0.2)
 parser.add_argument("--eps-high", type=float, default=0.28)
-parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="sampler/trainer mismatch (rollout.sampler_correction)")
-parser.add_argument("--tis-cap", type=float, default=2.0)
 parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
-parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included)")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
-parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=10)
-parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
-parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
-parser.add_argument("--save-every", type=int, default=20)
 add_run_flags(parser, "distill")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp (the teacher too), --dist-timeout
 
 
@@ -220,11 +203,8 @@ def main():
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     args.lr = learning_rate(args.lr, "rl", unwrap(model))
     optimizer = make_optimizer(model, args.lr)
-    start_step, train_clock = 0, 0.0  # train_clock: seconds in steps, evaluation excluded (--time-budget)
-    if ckpt:
-        state = load_training_state(ckpt, optimizer, model)
-        start_step, train_clock = state["step"], state["train_seconds"]
-        print0(f"resumed from {ckpt} at step {start_step} ({train_clock:.0f} s of training)")
+    state = resume_state(ckpt, optimizer, model)  # train_seconds: in steps, evaluation excluded (--time-budget)
+    start_step, train_clock = state["step"], state["train_seconds"]
     # the teacher: frozen, in the compute dtype, sharded too under --fsdp
     teacher = load_model(teacher_path, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
     grader = Grader("verifier", tok, device)  # only logged: the teacher's log-probs are the signal

@@ -26,7 +26,7 @@ import os
 import torch
 
 import peak_memory
-from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_step,
+from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_state,
                         save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, fit_warmup, idle_pass, learning_rate,
                     lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress,
@@ -183,7 +183,7 @@ def main():
     args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
     args.lr = learning_rate(args.lr, "dpo", unwrap(model))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = resume_step(ckpt, optimizer, model)
+    start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; beta {args.beta}, ref {args.ref}; "
            f"{total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model

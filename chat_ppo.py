@@ -40,10 +40,10 @@ import torch
 import peak_memory
 from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
                         resume_checkpoint, save_checkpoint)
-from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
-                    fit_warmup, global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home,
-                    no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap,
-                    wrap_model, write_eval)
+from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup,
+                    global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
+                    write_eval)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
@@ -81,18 +81,10 @@ parser.add_argument("--target-kl", type=float, default=None, help="stop this ste
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (per model)")
-parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
 parser.add_argument("--lr", type=float, default=None, help="actor learning rate (default: 1e-4 on the embedded world, 1e-6 for a real model)")
 parser.add_argument("--critic-lr", type=float, default=None, help="default: 5e-4 on the embedded world, 1e-5 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
 parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train only the critic for the first N steps: a critic "
                     "started from the RM speaks the RM's scale, not the reward's, and its first advantages are noise")
-parser.add_argument("--grad-clip", type=float, default=1.0)
-# evaluation and checkpoints
-parser.add_argument("--eval-every", type=int, default=20)
-parser.add_argument("--eval-before-train", action=argparse.BooleanOptionalAction, default=True,
-                    help="evaluate the starting model at step 0 (verl's val_before_train)")
-parser.add_argument("--save-every", type=int, default=20)
 add_run_flags(parser, "ppo")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 

@@ -51,12 +51,12 @@ import time
 import torch
 
 import peak_memory
-from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
-                        resume_checkpoint, save_checkpoint)
-from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite,
-                    fit_warmup, global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home,
-                    no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap,
-                    wrap_model, write_eval)
+from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_state,
+                        save_checkpoint)
+from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup,
+                    global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
+                    write_eval)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
@@ -104,15 +104,7 @@ parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask:
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
-parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
-parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
-parser.add_argument("--grad-clip", type=float, default=1.0)
-# evaluation and checkpoints
-parser.add_argument("--eval-every", type=int, default=20)
-parser.add_argument("--eval-before-train", action=argparse.BooleanOptionalAction, default=True,
-                    help="evaluate the starting model at step 0 (verl's val_before_train)")
-parser.add_argument("--save-every", type=int, default=20)
 add_run_flags(parser, "rl")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
@@ -357,11 +349,8 @@ def main():
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     args.lr = learning_rate(args.lr, "rl", unwrap(model))
     optimizer = make_optimizer(model, args.lr)
-    start_step, train_clock = 0, 0.0  # train_clock: seconds in steps, evaluation excluded (--time-budget)
-    if ckpt:
-        state = load_training_state(ckpt, optimizer, model)
-        start_step, train_clock = state["step"], state["train_seconds"]
-        print0(f"resumed from {ckpt} at step {start_step} ({train_clock:.0f} s of training)")
+    state = resume_state(ckpt, optimizer, model)  # train_seconds: in steps, evaluation excluded (--time-budget)
+    start_step, train_clock = state["step"], state["train_seconds"]
     # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); at beta = 0 only for kl_to_start
     ref_model = reference_model(model, init, args.fsdp) if args.kl_beta > 0 or args.log_kl_to_start else None
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank

@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 import peak_memory
-from checkpoint import (load_config, load_lm_head, load_model, resolve_model_path, resume_checkpoint, resume_step,
+from checkpoint import (load_config, load_lm_head, load_model, resolve_model_path, resume_checkpoint, resume_state,
                         save_checkpoint)
-from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_dict, all_reduce_max, autocast,
-                    check_finite, dist_info, fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home,
-                    no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap,
+from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_dict, autocast, check_finite,
+                    dist_info, fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, progress, rank_passes, run_main, set_lr, start_run, unwrap,
                     wrap_model, write_eval)
 from data import load_preferences, split_heldout
 from decontaminate import overlap_warning
@@ -137,11 +137,6 @@ def rm_example(tok, prompt, answer, tools=None):
     return ids[:end + 1], targets
 
 
-def rm_sequence(tok, prompt, answer, tools=None):
-    """The ids of rm_example: what score() takes."""
-    return rm_example(tok, prompt, answer, tools)[0]
-
-
 # ------------------------------------------------------------------------------------------------
 # Data
 
@@ -151,7 +146,7 @@ def render_pairs(tok, rows, max_len):
     pairs, dropped = [], 0
     for r in rows:
         c, c_targets = rm_example(tok, r["prompt"], r["chosen"], r.get("tools"))
-        j = rm_sequence(tok, r["prompt"], r["rejected"], r.get("tools"))
+        j, _ = rm_example(tok, r["prompt"], r["rejected"], r.get("tools"))
         if max(len(c), len(j)) > max_len:
             dropped += 1
             continue
@@ -179,13 +174,8 @@ def evaluate_pairs(model, pairs, batch_size=32):
     info = dist_info()
     model = unwrap(model)
     mine = list(range(info.rank, len(pairs), info.world_size))
-    n_passes = int(all_reduce_max(-(-len(mine) // batch_size)))
     scored = {}
-    for k in range(n_passes):
-        idx = mine[k * batch_size:(k + 1) * batch_size]
-        if not idx:
-            idle_pass(model, backward=False)
-            continue
+    for idx in rank_passes(model, [mine[k:k + batch_size] for k in range(0, len(mine), batch_size)]):
         values = score(model, [pairs[i][0] for i in idx] + [pairs[i][1] for i in idx], batch_size=2 * len(idx))
         scored.update({i: (c, r) for i, c, r in zip(idx, values[:len(idx)], values[len(idx):])})
     for part in all_gather_objects(scored):
@@ -265,7 +255,7 @@ def main():
     model = wrap_model(model, fsdp=args.fsdp)  # DDP under torchrun, or FSDP2 with --fsdp
     args.lr = learning_rate(args.lr, "rm", unwrap(model))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = resume_step(ckpt, optimizer, model)
+    start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()

@@ -26,7 +26,7 @@ import os
 import torch
 
 import peak_memory
-from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_step, save_checkpoint
+from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_state, save_checkpoint
 from common import (Default, UserError, add_run_flags, all_reduce_sum, autocast, check_finite, fit_warmup,
                     learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb,
                     print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
@@ -174,7 +174,7 @@ def main():
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     args.lr = learning_rate(args.lr, "sft", unwrap(model))
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
-    start_step = resume_step(ckpt, optimizer, model)
+    start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps "
            f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
     fwd = torch.compile(model) if args.compile else model

@@ -92,6 +92,7 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     n_head = hf["num_attention_heads"]
+    stored = hf.get("dtype") or hf.get("torch_dtype")  # GPTConfig.dtype: "bfloat16" as is, "auto" or none None
     try:  # the model raises ValueError on a shape or a RoPE it cannot build: the user's folder is named
         config = GPTConfig(
             vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
@@ -100,20 +101,12 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
             intermediate_size=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
             rope_theta=float(rope_theta), rope_scaling=rope_scaling, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             qk_norm=(arch == "qwen3"), tie_word_embeddings=hf.get("tie_word_embeddings", arch == "qwen3"),
-            arch=arch, head=head, dtype=_stored_dtype(hf.get("dtype") or hf.get("torch_dtype")),
+            arch=arch, head=head, dtype=stored if stored in ("float32", "bfloat16", "float16") else None,
         )
         rope_inv_freq(config)
     except ValueError as e:
         raise UserError(f"{where}: {e}") from None
     return config
-
-
-SAVE_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def _stored_dtype(name):
-    """config.json's dtype as GPTConfig.dtype: "bfloat16" as is, "auto" or a missing one None."""
-    return name if name in SAVE_DTYPES else None
 
 
 def load_config(path, head=None) -> GPTConfig:
@@ -190,8 +183,10 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
 
     def put(key, t):  # into the parameter, in its dtype (a LoRA model's or a sharded one's is set already)
         t = t.to(params[key].dtype if lora or shard is not None else dtype or t.dtype)
-        if shard is not None:
-            _copy_shard(params[key], t)
+        if shard is not None:  # this rank's slice of the full tensor, without communication
+            with torch.no_grad():
+                params[key].copy_(distribute_tensor(t, params[key].device_mesh, params[key].placements,
+                                                    src_data_rank=None))
         else:
             _set_tensor(model, key, t.to(device))
 
@@ -228,24 +223,12 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
         loaded.add("lm_head.weight")
     missing = expected - loaded
     if config.head == "scalar" and missing == {"score.weight"}:  # fresh score head: every reward 0
-        if shard is not None:
-            with torch.no_grad():
-                params["score.weight"].zero_()
-        else:
-            ref = model.model.embed_tokens.weight
-            _set_tensor(model, "score.weight", torch.zeros(1, config.n_embd, dtype=torch.float32 if lora else
-                                                           ref.dtype, device=ref.device))
+        put("score.weight", torch.zeros(1, config.n_embd, dtype=model.model.embed_tokens.weight.dtype))
         missing = set()
     if missing:
         raise UserError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
     model._init_rope(device)
     return model if shard is not None else model.to(device)  # (.to would replace FSDP's sharded parameters)
-
-
-def _copy_shard(param, full):
-    """Copy this rank's slice of a full tensor into a sharded (DTensor) parameter, without communication."""
-    with torch.no_grad():
-        param.copy_(distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None))
 
 
 def _set_tensor(model, key, tensor):
@@ -399,7 +382,10 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
                 json.dump({"step": step, "world_size": dist_info().world_size, "master_weights": master,
                            **(state or {})}, f, indent=2)
         barrier()
-        _save(rng_state(), os.path.join(tmp, f"rng_rank{dist_info().rank}.pt"))
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        _save(rng, os.path.join(tmp, f"rng_rank{dist_info().rank}.pt"))
         barrier()
         if dist_info().is_main:
             for folder, _, names in os.walk(tmp):  # make the bytes durable before the rename publishes them
@@ -471,14 +457,7 @@ def resume_checkpoint(run_path: str) -> str:
     return ckpt
 
 
-def rng_state():
-    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        s["cuda"] = torch.cuda.get_rng_state_all()
-    return s
-
-
-def load_training_state(ckpt, optimizer=None, model=None) -> dict:
+def load_training_state(ckpt, optimizer, model) -> dict:
     """Restore the optimizer, the float32 master weights of a checkpoint that shipped in a lower precision
     (into `model`, loaded from its shipped weights), and this rank's RNG; returns trainer_state.json.
     Call it AFTER any seeding, so the restored RNG is the one that continues. A sharded (FSDP2) model's
@@ -487,10 +466,8 @@ def load_training_state(ckpt, optimizer=None, model=None) -> dict:
     saved weights and optimizer with fresh per-rank seeds (its losses will differ from the original's)."""
     with open(os.path.join(ckpt, "trainer_state.json")) as f:
         state = json.load(f)
-    sharded = model is not None and reshard(model)
-    if optimizer is not None and os.path.isdir(os.path.join(ckpt, "optimizer")):  # saved sharded: any layout now
-        if model is None:
-            raise ValueError("load_training_state needs the model to restore a sharded optimizer")
+    sharded = reshard(model)
+    if os.path.isdir(os.path.join(ckpt, "optimizer")):  # saved sharded: any layout now
         osd = get_optimizer_state_dict(unwrap(model), optimizer)
         msd = get_model_state_dict(unwrap(model)) if state.get("master_weights") else None
         dcp.load({"optimizer": osd, **({"model": msd} if msd is not None else {})},
@@ -498,9 +475,9 @@ def load_training_state(ckpt, optimizer=None, model=None) -> dict:
         set_optimizer_state_dict(unwrap(model), optimizer, osd)
         if msd is not None:
             set_model_state_dict(unwrap(model), msd)
-    elif optimizer is not None:
-        if sharded:
-            raise UserError(f"{ckpt} was saved without --fsdp (optimizer.pt); resume it without --fsdp")
+    elif sharded:
+        raise UserError(f"{ckpt} was saved without --fsdp (optimizer.pt); resume it without --fsdp")
+    else:
         optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location="cpu",
                                              weights_only=False))
         if state.get("master_weights"):  # mmap: no second copy of the weights in memory
@@ -519,11 +496,12 @@ def load_training_state(ckpt, optimizer=None, model=None) -> dict:
     return state
 
 
-def resume_step(ckpt, optimizer, model) -> int:
-    """The step a run continues at: 0 for a fresh run (ckpt None), else the checkpoint's, its optimizer and
-    RNG restored (load_training_state)."""
+def resume_state(ckpt, optimizer, model) -> dict:
+    """The trainer state a run continues from: step 0 and no training seconds for a fresh run (ckpt None), else
+    the checkpoint's, its optimizer and RNG restored (load_training_state)."""
     if not ckpt:
-        return 0
-    step = load_training_state(ckpt, optimizer, model)["step"]
-    print0(f"resumed from {ckpt} at step {step}")
-    return step
+        return {"step": 0, "train_seconds": 0.0}
+    state = load_training_state(ckpt, optimizer, model)
+    print0(f"resumed from {ckpt} at step {state['step']}"
+           + (f" ({state['train_seconds']:.0f} s of training)" if "train_seconds" in state else ""))
+    return state

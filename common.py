@@ -59,7 +59,6 @@ def run_main(main):
 @dataclass
 class DistInfo:
     rank: int = 0
-    local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
 
@@ -105,7 +104,7 @@ def init_dist(device: str = "auto", timeout_minutes: float = 30) -> DistInfo:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
                                     timeout=datetime.timedelta(minutes=timeout_minutes))
-    _DIST = DistInfo(rank, local_rank, world, dev)
+    _DIST = DistInfo(rank, world, dev)
     return _DIST
 
 
@@ -312,6 +311,16 @@ def idle_pass(model, backward=True):
         (out.float().sum() * 0.0).backward()
 
 
+def rank_passes(model, mine):
+    """Yield this rank's batches (`mine`, one a pass), then run idle passes until it has run as many passes as the
+    rank with the most: every forward of an FSDP2 model is a collective that all ranks join."""
+    for c in range(int(all_reduce_max(len(mine)))):
+        if c < len(mine):
+            yield mine[c]
+        else:
+            idle_pass(model, backward=False)
+
+
 def cleanup_dist():
     """Tear the process group down. A DistributedDataParallel wrapper still alive then (its hooks make
     reference cycles that only the collector frees) aborts the process one time in ~15 on gloo with
@@ -459,12 +468,8 @@ def write_eval(run_path: str, metrics: dict):
     os.replace(path + ".tmp", path)
 
 
-def _rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-_RSS_AT_START = _rss_bytes()  # the interpreter, torch and the libraries: what no estimate counts
+with open("/proc/self/statm") as f:  # the interpreter, torch and the libraries: what no estimate counts
+    _RSS_AT_START = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_memory_mb(device):
@@ -510,18 +515,14 @@ LEARNING_RATES = {  # stage: (the embedded world's, a real model's, from the lit
 }
 
 
-def is_real_model(model) -> bool:
-    """A model from outside the embedded world: a real vocabulary, or more than 50M parameters."""
-    return model.config.vocab_size >= 32000 or model.num_params() >= 50_000_000
-
-
 def learning_rate(flag, stage, model, name="--lr"):
     """The learning rate a run uses: the flag as given, else the embedded world's default for its small
     models or the literature's for a real checkpoint (LEARNING_RATES), said out loud."""
     if flag is not None:
         return flag
     small, real = LEARNING_RATES[stage]
-    lr = real if is_real_model(model) else small
+    # a model from outside the embedded world: a real vocabulary, or more than 50M parameters
+    lr = real if model.config.vocab_size >= 32000 or model.num_params() >= 50_000_000 else small
     print0(f"{name} {lr:g}: the {'real-model' if lr == real else 'embedded-world'} default for {stage} "
            f"({model.config.vocab_size:,}-token vocabulary); pass {name} to choose")
     return lr
@@ -534,12 +535,9 @@ class Default(int):
 def fit_warmup(warmup_steps: int, total_steps: int) -> int:
     """--warmup-steps that fits the run, so that its learning rate reaches --lr: a default (Default) longer than a
     tenth of the run is cut to that tenth; a value the user gave is kept unless it is longer than the run."""
-    if isinstance(warmup_steps, Default) and warmup_steps > total_steps // 10:
-        fitted = max(1, total_steps // 10)
-    elif warmup_steps > total_steps:
-        fitted = max(1, total_steps // 10)
-    else:
+    if warmup_steps <= (total_steps // 10 if isinstance(warmup_steps, Default) else total_steps):
         return int(warmup_steps)
+    fitted = max(1, total_steps // 10)
     print0(f"--warmup-steps {warmup_steps} does not fit a run of {total_steps} steps (its lr would not reach --lr "
            f"in time): warming up for {fitted}")
     return fitted

@@ -117,9 +117,8 @@ def run_tool_calls(text: str, tools: dict) -> list[str]:
         if fn is None:
             results.append(f"error: unknown tool {call['name']!r}; available: {sorted(tools)}")
             continue
-        try:
-            args = call.get("arguments") or {}
-            results.append(str(fn(**args) if isinstance(args, dict) else fn(args)))
+        try:  # parse_tool_calls hands the arguments as a dict
+            results.append(str(fn(**call["arguments"])))
         except Exception as e:  # a bad call must never crash the batch
             results.append(f"error: {type(e).__name__}: {e}")
     return results
@@ -333,16 +332,6 @@ class Engine:
         finally:
             self._prepared = None
 
-    def _weights(self) -> Prepared:
-        if self._frozen is not None:
-            return self._frozen
-        if self._prepared is None:
-            return self.prepare()
-        if _versions(unwrap(self.model)) != self._prepared.versions:
-            raise RuntimeError("the model's weights changed inside `with engine.prepared():`; the engine would "
-                               "sample from stale copies. Update the weights outside the block, or enter it again")
-        return self._prepared
-
     @torch.inference_mode()  # as no_grad, and no autograd bookkeeping per op (~10% of a small decode step)
     @torch.autocast("cuda", enabled=False)  # the weights are already in the compute dtype, and the head must
     @torch.autocast("cpu", enabled=False)   # stay float32, whatever the caller's context
@@ -362,7 +351,10 @@ class Engine:
             raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's max_seq_len ({cfg.max_seq_len}); shorten the prompt or max_new_tokens")
         t_start = time.perf_counter()
-        prep = self._weights()
+        prep = self._frozen or self._prepared or self.prepare()  # a snapshot's, the block's, or prepared now
+        if prep is self._prepared and _versions(unwrap(self.model)) != prep.versions:
+            raise RuntimeError("the model's weights changed inside `with engine.prepared():`; the engine would "
+                               "sample from stale copies. Update the weights outside the block, or enter it again")
         model, device = prep.model, prep.model.device
         gen = torch.Generator(device=device).manual_seed(seed)
         P, N = len(prompts), num_samples

@@ -73,7 +73,8 @@ def evaluate_chat(model, tok, rows, num_samples=1, max_new_tokens=256, temperatu
         metrics.update(tool_use_rate=sums["tool_use"] / n_total, tool_errors=sums["tool_errors"] / n_total)
     if not per_prompt:
         return metrics
-    return metrics, _in_row_order(correct_of, len(rows))
+    merged = {i: c for part in all_gather_objects(correct_of) for i, c in part.items()}  # every rank's rows
+    return metrics, [merged[i] for i in range(len(rows))]
 
 
 MIN_HELDOUT = 20  # below it a held-out rate's standard error passes ~0.1: the figure says little
@@ -113,14 +114,6 @@ def heldout_scores(model, tok, rows, *, max_new_tokens, samples=4, temperature=1
     if label:
         print0(f"{label} ({time.time() - t0:.0f}s): " + scores_line(scores, len(rows)))
     return scores
-
-
-def _in_row_order(correct_of, n):
-    """Every rank's {row index: correct count} merged into one list in row order."""
-    merged = {}
-    for part in all_gather_objects(correct_of):
-        merged.update(part)
-    return [merged[i] for i in range(n)]
 
 
 def paired_change(before: list, after: list) -> tuple[float, float]:

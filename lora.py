@@ -88,7 +88,7 @@ def lora_init_tensors(model, seed=0) -> dict:
 def add_lora(model, rank: int, alpha: float | None = None, targets=LORA_TARGETS, dropout: float = 0.0):
     """Freeze every parameter of `model` and wrap each targeted linear layer of every block in a LoRALinear
     (in place; on the meta device too). A reward model's or critic's score head stays trainable (it is
-    new). alpha defaults to 2 * rank. Returns the model, with `model.lora` the options (for checkpoints).
+    new). alpha defaults to 2 * rank. Sets `model.lora`, the options (for checkpoints).
     Errors: a rank above a layer's smaller side (the update could not be low-rank); a target naming no
     layer."""
     targets = list(targets)
@@ -111,7 +111,6 @@ def add_lora(model, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
     if model.config.head == "scalar":
         model.score.float().weight.requires_grad_(True)  # trained, so float32 like the adapters
     model.lora = {"r": rank, "alpha": alpha, "targets": targets, "dropout": dropout}
-    return model
 
 
 def lora_layers(model):
@@ -160,11 +159,6 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 _PEFT_PREFIX = "base_model.model."  # PeftModel -> its base (the *ForCausalLM) -> our names
 
 
-def is_adapter(path) -> bool:
-    """An adapter folder: adapter_config.json and no config.json (a folder with both is a model)."""
-    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, "config.json"))
-
-
 def read_adapter(path):
     """(adapter_config.json as a dict, {our tensor name: float32 tensor}) of a PEFT LoRA folder. What
     PEFT can write and we cannot apply (DoRA, per-layer ranks, biases, transposed weights) is refused;
@@ -198,7 +192,8 @@ def adapter_chain(path):
     folder: an adapter names its base (base_model_name_or_path), which may itself be an adapter (an RL
     adapter trained on an unmerged SFT adapter). A plain model folder: (path, [])."""
     chain = []
-    while is_adapter(path):
+    # an adapter folder: adapter_config.json and no config.json (a folder with both is a model)
+    while os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, "config.json")):
         chain.insert(0, path)
         with open(os.path.join(path, ADAPTER_CONFIG)) as f:
             base = json.load(f).get("base_model_name_or_path")

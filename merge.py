@@ -85,11 +85,7 @@ class FolderTensors:
     def __init__(self, folder: str):
         self.folder = folder
         self.where = {}  # name -> (file, its header entry, the file's data start)
-        try:
-            files = safetensors_files(folder)
-        except FileNotFoundError as e:
-            raise UserError(str(e)) from None
-        for file in files:
+        for file in safetensors_files(folder):
             header, data_start = read_safetensors_header(file)
             self.where.update({name: (file, entry, data_start) for name, entry in header.items()})
 

@@ -18,7 +18,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from common import UserError, all_reduce_dict, all_reduce_max, autocast, dist_info, idle_pass
+from common import UserError, all_reduce_dict, all_reduce_max, autocast, dist_info, rank_passes
 
 IGNORE = -100  # the target of a position that is not trained
 
@@ -129,16 +129,11 @@ def heldout_loss(model, examples, rows, pad_id, seq_len, packing, device, batch_
     """Mean next-token loss over the trained tokens of held-out rows (make_batch's rows of examples).
     Each rank computes its share (rows[rank::world]) in as many passes as the others (an FSDP2 forward is a
     collective), then the sums are added up."""
-    info = dist_info()
-    mine = rows[info.rank::info.world_size]
-    n_passes = int(all_reduce_max(-(-len(mine) // batch_size)))
+    mine = rows[dist_info().rank::dist_info().world_size]
     model.eval()
     total, count = 0.0, 0
-    for i in range(0, n_passes * batch_size, batch_size):
-        if i >= len(mine):
-            idle_pass(model, backward=False)
-            continue
-        x, y, d = make_batch(examples, mine[i:i + batch_size], pad_id, seq_len, packing, device)
+    for batch in rank_passes(model, [mine[i:i + batch_size] for i in range(0, len(mine), batch_size)]):
+        x, y, d = make_batch(examples, batch, pad_id, seq_len, packing, device)
         with autocast(device):
             total -= model(x, y, doc_ids=d).sum().item()
         count += (y != IGNORE).sum().item()

@@ -10,8 +10,8 @@ tokenizer.render_conversation, graded where the mask is 1 after the prompt (the 
 import torch
 
 from checkpoint import reference_model
-from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_max, all_reduce_sum, autocast,
-                    dist_info, idle_pass, print0, unwrap)
+from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_sum, autocast, dist_info, print0,
+                    rank_passes, unwrap)
 from engine import Engine
 from evaluation import evaluate_chat, paired_change, scores_line
 from lora import adapters_off, add_lora_flags
@@ -69,22 +69,18 @@ def completion_logps(model, examples, pad_id, layout="packed", capacity=None):
 
 @torch.no_grad()
 def reference_logps(model, examples, pad_id, capacity, batch_size=64):
-    """Log-probs of every example under the reference, computed once before training, in the data's
-    order: in eval mode, with no gradient, and without touching the global RNG (trl#5542, #7084), so
-    they are the same on every call and however the data is later shuffled. Under torchrun each rank
-    computes every world-th chunk (as many passes on every rank: an FSDP2 forward is a collective) and a
-    sum all-reduce hands every rank all of them."""
+    """Log-probs of every example under `model` (the reference's, computed once before training; the held-out
+    pairs' in evaluate_pairs), in the data's order: in eval mode, with no gradient, and without touching the
+    global RNG (trl#5542, #7084), so they are the same on every call and however the data is later shuffled.
+    Under torchrun each rank computes every world-th chunk (as many passes on every rank: an FSDP2 forward is a
+    collective) and a sum all-reduce hands every rank all of them."""
     info = dist_info()
     was_training = model.training
     model.eval()
     out = torch.zeros(len(examples), device=next(model.parameters()).device)
     chunks = list(range(0, len(examples), batch_size))[info.rank::info.world_size]
     with torch.random.fork_rng(devices=[]):
-        for c in range(int(all_reduce_max(len(chunks)))):
-            if c >= len(chunks):
-                idle_pass(model, backward=False)
-                continue
-            s = chunks[c]
+        for s in rank_passes(model, chunks):
             out[s:s + batch_size] = completion_logps(model, examples[s:s + batch_size], pad_id, "packed", capacity)[0]
     model.train(was_training)
     return all_reduce_sum(out)
@@ -124,8 +120,7 @@ def pair_items(tok, rows, max_len):
     return items, counts
 
 
-def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tokens, seed, tools=False,
-                   batch_size=32):
+def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tokens, seed, tools=False):
     """Preference pairs from the policy itself: sample `samples` answers per prompt (with the calculator when
     `tools`), grade each with the row's verifier, and pair the first correct finished answer with the first
     incorrect one (sampled_data.preference_pair). Prompts whose answers all agree teach nothing and are
@@ -134,7 +129,7 @@ def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tok
     info = dist_info()
     schemas = [CALCULATOR_SCHEMA] if tools else None
     engine = Engine(unwrap(model), tok, tools=TOOLS if tools else None)
-    groups = sample_groups(engine, prompt_rows, Grader("verifier", tok), samples=samples, batch_size=batch_size,
+    groups = sample_groups(engine, prompt_rows, Grader("verifier", tok), samples=samples, batch_size=32,
                            seed=seed, rank=info.rank, world_size=info.world_size, max_new_tokens=max_new_tokens,
                            temperature=temperature, tool_schemas=schemas)
     merged = {p: g for part in all_gather_objects(groups) for p, g in part.items()}
@@ -147,24 +142,11 @@ def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tok
 # Held-out evaluation
 
 @torch.no_grad()
-def evaluate_pairs(model, items, ref, pad_id, capacity, beta, batch_size=64):
+def evaluate_pairs(model, items, ref, pad_id, capacity, beta):
     """Implicit-reward metrics on held-out pairs under TRL's names (accuracy: chosen reward strictly
     above rejected, so 0 at step 0 where every margin is 0). Under torchrun every rank computes its share
     (as many passes on every rank) and the log-probs are summed over ranks."""
-    info = dist_info()
-    was_training = model.training
-    model.eval()
-    logps = torch.zeros(len(items), 2, device=next(model.parameters()).device)
-    chunks = list(range(0, len(items), batch_size))[info.rank::info.world_size]
-    for c in range(int(all_reduce_max(len(chunks)))):
-        if c >= len(chunks):
-            idle_pass(model, backward=False)
-            continue
-        chunk = items[chunks[c]:chunks[c] + batch_size]
-        lp, _ = completion_logps(model, [e for item in chunk for e in item[:2]], pad_id, "packed", capacity)
-        logps[chunks[c]:chunks[c] + len(chunk)] = lp.view(-1, 2)
-    model.train(was_training)
-    logps = all_reduce_sum(logps).cpu()
+    logps = reference_logps(model, both(items), pad_id, capacity, batch_size=128).view(-1, 2).cpu()  # 64 pairs a pass
     chosen, rejected = logps[:, 0], logps[:, 1]
     chosen_rewards, rejected_rewards = beta * (chosen - ref[:, 0].cpu()), beta * (rejected - ref[:, 1].cpu())
     right = (chosen_rewards > rejected_rewards).float()
@@ -221,7 +203,7 @@ def pair_references(model, items, val_items, *, ref, init, fsdp, pad_id, capacit
 
 
 def pass_at_start(model, tok, rows, *, max_new_tokens, tools):
-    """Greedy pass@1 on the held-out problems at the start, measured as pass_before_after measures the end
+    """Greedy pass@1 on the held-out problems at the start, measured as final_scores measures the end
     (every rank its share): (scores, per-problem correct), or ({}, None) without problems."""
     if not rows:
         return {}, None
@@ -241,20 +223,14 @@ def final_scores(model, tok, val_items, val_ref, eval_rows, start, *, pad_id, ca
     pass@1 before and after on the held-out problems; both printed."""
     ev = evaluate_pairs(model, val_items, val_ref, pad_id, capacity, beta) if val_items else {}
     print0("held-out pairs: " + scores_line(ev, len(val_items)))
-    if eval_rows:
-        scores = pass_before_after(model, tok, eval_rows, start, max_new_tokens=max_new_tokens, tools=tools)
+    if eval_rows:  # start = (scores, per-problem correct) at the start of the run (({}, None) when resumed)
+        scores, correct = evaluate_chat(model, tok, eval_rows, max_new_tokens=max_new_tokens, use_tools=tools,
+                                        per_prompt=True)
+        start_scores, start_correct = start
+        if start_correct is not None:  # the same problems before and after: the change and its error
+            scores["pass@1_change"], scores["pass@1_change_se"] = paired_change(start_correct, correct)
+        keep = ("pass@1", "format_rate", "stop_rate", "tool_use_rate")
+        scores.update({f"start/{k}": v for k, v in start_scores.items() if k in keep})
         print0("held-out problems: " + scores_line(scores, len(eval_rows)))
         ev.update(scores)
     return ev
-
-
-def pass_before_after(model, tok, rows, start, *, max_new_tokens, tools):
-    """Greedy pass@1 at the end of a run on the problems `start` = (scores, per-problem correct) was measured
-    on at its start (({}, None) when resumed): the end's scores, the paired change with its standard error,
-    and the start's scores under start/."""
-    scores, correct = evaluate_chat(model, tok, rows, max_new_tokens=max_new_tokens, use_tools=tools, per_prompt=True)
-    (start_scores, start_correct) = start
-    if start_correct is not None:  # the same problems before and after: the change and its error
-        scores["pass@1_change"], scores["pass@1_change_se"] = paired_change(start_correct, correct)
-    keep = ("pass@1", "format_rate", "stop_rate", "tool_use_rate")
-    return {**scores, **{f"start/{k}": v for k, v in start_scores.items() if k in keep}}

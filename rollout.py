@@ -14,19 +14,20 @@ the trainer disagree a little (kernels, precision, batch composition), and off-p
 by older weights: `sampler_correction` corrects for that; `kl_penalty` measures how far the policy moved from a
 reference on the tokens it sampled, and `kl_to_start` per answer, as the over-optimization plots do.
 """
+import argparse
 import collections
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from common import UserError, all_reduce_dict, autocast, dist_info, idle_pass
+from common import Default, UserError, all_reduce_dict, autocast, dist_info, idle_pass
 from packing import IGNORE, micro_batches
 
 
-def add_rollout_flags(parser):
-    """The flags every stage that samples its policy and grades the answers shares (chat_rl.py, chat_ppo.py):
-    data, steps, sampling, the calculator, the graders, the sampler correction, held-out evaluation."""
+def add_sampling_flags(parser):
+    """The flags every stage that samples its policy shares (chat_rl.py, chat_ppo.py, chat_distill.py): data,
+    steps, sampling, the calculator, the sampler correction, held-out evaluation."""
     parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
     parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
     parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
@@ -35,19 +36,32 @@ def add_rollout_flags(parser):
     parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per rollout batch, all ranks together")
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn tool rollouts")
     parser.add_argument("--max-tool-turns", type=int, default=6)
-    parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
-                        "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
-    parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
     parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="for answers the sampler drew from "
                         "another distribution (its numerics, or stale weights): reweight or mask (rollout.sampler_correction)")
     parser.add_argument("--tis-cap", type=float, default=2.0, help="the cap of token-tis and sequence-tis; sequence-mask keeps [1/cap, cap]")
-    parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities differ by more than this")
     parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
     parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
+    parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
+    parser.add_argument("--grad-clip", type=float, default=1.0)
+    parser.add_argument("--save-every", type=int, default=20)
+
+
+def add_rollout_flags(parser):
+    """The flags of the stages that sample their policy and grade the answers (chat_rl.py, chat_ppo.py):
+    add_sampling_flags's, top-k and top-p sampling, the graders, token-mask's threshold."""
+    add_sampling_flags(parser)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
+                        "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
+    parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
+    parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities differ by more than this")
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--eval-before-train", action=argparse.BooleanOptionalAction, default=True,
+                        help="evaluate the starting model at step 0 (verl's val_before_train)")
 
 
 # chat_rl.py --engine-dtype: the dtype of the sampler's weights and KV cache (None: the compute dtype, what the

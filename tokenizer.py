@@ -40,7 +40,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from common import UserError, print0
+from common import UserError, nanopost_home, print0
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -282,7 +282,7 @@ class Tokenizer:
                           "single_word": t.single_word, "special": t.special}
                  for i, t in sorted(self._tok.get_added_tokens_decoder().items())}
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "added_tokens_decoder": added,
-                  "bos_token": None, "eos_token": "<|im_end|>", "pad_token": self.id_to_token(self.pad_id),
+                  "bos_token": None, "eos_token": "<|im_end|>", "pad_token": self._tok.id_to_token(self.pad_id),
                   "unk_token": None, "add_bos_token": False, "clean_up_tokenization_spaces": False,
                   "model_max_length": model_max_length, "chat_template": QWEN3_CHAT_TEMPLATE}
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
@@ -337,9 +337,6 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
-
-    def id_to_token(self, i: int) -> str | None:
-        return self._tok.id_to_token(i)
 
     def _encode_segments(self, segs: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
         ids, mask = [], []
@@ -482,11 +479,6 @@ def settle_chat_template(tok: Tokenizer, rows: list[dict], choice: str = "check"
 # -----------------------------------------------------------------------------
 # CLI
 
-def default_tokenizer_path() -> Path:
-    home = Path(os.environ.get("NANOPOST_HOME", Path(__file__).resolve().parent / "out"))
-    return home / "tokenizer" / "tokenizer.json"
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="nanopost tokenizer tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -496,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     show.add_argument("--tokenizer", default=None, help="tokenizer.json or a folder with one")
     args = parser.parse_args(argv)
 
-    path = Path(args.tokenizer) if args.tokenizer else default_tokenizer_path()
+    path = Path(args.tokenizer or os.path.join(nanopost_home(), "tokenizer", "tokenizer.json"))
     if not path.exists():
         sys.exit(f"no tokenizer at {path}: run `python base_train.py` first, or pass --tokenizer PATH")
     tok = Tokenizer.load(path)

@@ -210,7 +210,7 @@ MUTANTS = [
            "DPO ignores the chosen answer's reference log-prob (trl#1962)"),
     # resume, DDP
     Mutant("resume-without-optimizer-state", "checkpoint.py",
-           "    elif optimizer is not None:\n        if sharded:", "    elif False:\n        if sharded:",
+           "    else:\n        optimizer.load_state_dict(", "    elif False:\n        optimizer.load_state_dict(",
            ("tests/test_resume.py::test_killed_run_resumes_exactly[sft-lora-dropout]",),
            "a resumed run starts AdamW afresh instead of loading its moments"),
     # round two (#31): the settings that must reach the update, the schedule, the resumed RNG

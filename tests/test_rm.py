@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chat_rm import attach_vocab_head, lm_regularizer, parse_kinds, render_pairs, reward_loss, rm_sequence
+from chat_rm import attach_vocab_head, lm_regularizer, parse_kinds, render_pairs, reward_loss, rm_example
 from rewards import last_token_values, load_reward_model, score
 from packing import IGNORE, pack_sequences
 from model import GPT, GPTConfig
@@ -59,7 +59,7 @@ def tiny_rm(tok, seed=0):
 
 def test_score_is_read_at_the_answers_end_of_turn(tok):
     r = preference_pairs("train", 1)[0]
-    seq = rm_sequence(tok, r["prompt"], r["chosen"])
+    seq = rm_example(tok, r["prompt"], r["chosen"])[0]
     assert seq[-1] == tok.eos_id
     # the engine's view: the prompt to complete + the sampled answer ending in <|im_end|>
     prompt = tok.render_for_completion(r["prompt"])
