@@ -39,7 +39,7 @@ import torch
 
 import peak_memory
 from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
-                        resume_checkpoint, save_checkpoint)
+                        resume_checkpoint, resume_state, save_checkpoint)
 from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup,
                     global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
                     optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
@@ -299,15 +299,13 @@ def main():
     args.critic_lr = learning_rate(args.critic_lr, "critic", unwrap(critic), name="--critic-lr")
     actor_opt = make_optimizer(actor, args.lr)
     critic_opt = make_optimizer(critic, args.critic_lr)
-    start_step, kl_beta, train_clock = 0, args.kl_beta, 0.0
     if ckpt:
         if os.path.basename(critic_ckpt) != os.path.basename(ckpt):
             raise UserError(f"--resume: the actor's checkpoint {ckpt} and the critic's {critic_ckpt} are of different "
                             f"steps; remove the newer one")
         load_training_state(critic_ckpt, critic_opt, critic)
-        state = load_training_state(ckpt, actor_opt, actor)
-        start_step, kl_beta, train_clock = state["step"], state["kl_beta"], state["train_seconds"]
-        print0(f"resumed from {ckpt} at step {start_step}")
+    state = resume_state(ckpt, actor_opt, actor)  # the adaptive KL's beta goes on where it was
+    start_step, kl_beta, train_clock = state["step"], state.get("kl_beta", args.kl_beta), state["train_seconds"]
     engine = Engine(unwrap(actor), tok, tools=TOOLS if args.tools else None)
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from {critic_init}; "
