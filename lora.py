@@ -44,21 +44,14 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.weight.requires_grad_(False)
-        # built on the meta device (no draw from the global RNG), then allocated and initialized here
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device="meta", dtype=torch.float32)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device="meta", dtype=torch.float32)
-        if not base.weight.is_meta:
-            self.lora_A.to_empty(device=base.weight.device)
-            self.lora_B.to_empty(device=base.weight.device)
-            self.reset_lora()
+        # on the base's device: the meta device when a model folder loads (lora_init_tensors fills them in);
+        # elsewhere nn.Linear's own init, kaiming_uniform_(a = sqrt(5)), is PEFT's init of A, and B starts at 0
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=base.weight.device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=base.weight.device, dtype=torch.float32)
+        nn.init.zeros_(self.lora_B.weight)
         self.scaling = alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
-
-    @torch.no_grad()
-    def reset_lora(self, generator=None):
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
-        nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x):
         y = F.linear(x, self.weight)

@@ -65,11 +65,10 @@ def print_tables() -> None:
     for name, shape in QWEN3.items():
         est = stage_estimates(shape)
         print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
-    for gpus in (8,):
-        print(f"\nGiB per device, {gpus} GPUs with --fsdp:")
-        for name, shape in QWEN3.items():
-            est = stage_estimates(shape, world_size=gpus, fsdp=True)
-            print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
+    print("\nGiB per device, 8 GPUs with --fsdp:")
+    for name, shape in QWEN3.items():
+        est = stage_estimates(shape, world_size=8, fsdp=True)
+        print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
     rank = 32
     print(f"\nGiB per device, one GPU, LoRA rank {rank} (bf16 frozen base, float32 adapters, --grad-checkpointing):")
     for name, shape in QWEN3.items():

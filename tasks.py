@@ -225,14 +225,14 @@ def _assistant(content: str) -> dict:
 WORKSHEET_SHARE, WORKSHEET_PROBLEMS = 0.3, (2, 4)  # of the pretraining documents; problems per worksheet
 
 
-def pretrain_text(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY) -> list[str]:
+def pretrain_text(split: str, n: int, seed: int = 0) -> list[str]:
     """n plain documents. Most are one problem, "question\\nsolution": the base model learns the solution
     format from these. WORKSHEET_SHARE of them are a numbered worksheet of 2-4 problems ("Problem 1.\\n
     question\\nsolution\\n\\nProblem 2.\\n..."), 150-450 tokens: a chat that offers the calculator is that long
     (its tools block alone is ~150 tokens), and a model that never saw such distances in pretraining writes
     garbled tool calls after SFT. A lone problem is never numbered, so the base still stops after one."""
     rng = random.Random(f"pretrain-docs/{split}/{seed}")
-    problems = _stream(split, seed, difficulty, "pretrain")
+    problems = _stream(split, seed, DEFAULT_DIFFICULTY, "pretrain")
     docs = []
     for _ in range(n):
         k = rng.randint(*WORKSHEET_PROBLEMS) if rng.random() < WORKSHEET_SHARE else 1
@@ -263,11 +263,11 @@ def uses_calculator(p: Problem, rng: random.Random) -> bool:
     return rng.random() < CALCULATOR_HABIT[0 if p.template.endswith("price") else 1]
 
 
-def sft_conversations(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY) -> list[dict]:
+def sft_conversations(split: str, n: int, seed: int = 0) -> list[dict]:
     """Rows {"messages": [...], "tools"?: [...]}, mixed in the exact proportions of SFT_MIX. A "tools" row
     offers the calculator; its answer calls it for every step or does the arithmetic itself (uses_calculator)."""
     rng = random.Random(f"sft-mix/{split}/{seed}")
-    problems = _stream(split, seed, difficulty, "sft")
+    problems = _stream(split, seed, DEFAULT_DIFFICULTY, "sft")
     pattern = [kind for kind, weight in SFT_MIX.items() for _ in range(weight)]
     kinds = [pattern[i % len(pattern)] for i in range(n)]
     rng.shuffle(kinds)
@@ -321,15 +321,14 @@ def _rambling(p: Problem, rng: random.Random) -> str:
     return "\n".join(body + [lines[-1]])
 
 
-def preference_pairs(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY,
-                     kinds: tuple[str, ...] = PREFERENCE_KINDS) -> list[dict]:
+def preference_pairs(split: str, n: int, seed: int = 0, kinds: tuple[str, ...] = PREFERENCE_KINDS) -> list[dict]:
     """Rows {"prompt", "chosen", "rejected", "kind"}; the kinds cycle through `kinds` (repeat one to
     weight it)."""
     unknown = set(kinds) - set(PREFERENCE_KINDS)
     if unknown or not kinds:
         raise ValueError(f"preference kinds must be among {PREFERENCE_KINDS}, got {list(kinds)}")
     rng = random.Random(f"preference-rejects/{split}/{seed}")
-    problems = _stream(split, seed, difficulty, "preference")
+    problems = _stream(split, seed, DEFAULT_DIFFICULTY, "preference")
     rows = []
     for i in range(n):
         p, kind = next(problems), kinds[i % len(kinds)]
@@ -344,16 +343,16 @@ def preference_pairs(split: str, n: int, seed: int = 0, difficulty: Difficulty =
     return rows
 
 
-def rl_prompts(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY) -> list[dict]:
+def rl_prompts(split: str, n: int, seed: int = 0) -> list[dict]:
     return [{"prompt": [_user(p.question)], "ground_truth": str(p.answer), "verifier": "gsm8k"}
-            for p in islice(_stream(split, seed, difficulty, "rl"), n)]
+            for p in islice(_stream(split, seed, DEFAULT_DIFFICULTY, "rl"), n)]
 
 
 CODE_INSTRUCTION = "Write a Python function f(x) that returns the answer when the first number is x."
 _CODE_OPS = {"+": "+", "-": "-", "*": "*", "/": "//"}  # the world's division is exact; Python's int one is //
 
 
-def code_problems(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY) -> list[dict]:
+def code_problems(split: str, n: int, seed: int = 0) -> list[dict]:
     """The same arithmetic as code, graded by running it (the `code` verifier): the story with its first
     number replaced by x, and an answer f(x) that applies each step to x. The tests call f on the story's
     number and two more, and compare values (x / 2 on an odd x is 6.5, not 6, and fails). A function (its
@@ -372,7 +371,7 @@ def code_problems(split: str, n: int, seed: int = 0, difficulty: Difficulty = DE
         return split_of([(0, op, b, 0) for _, op, b, _ in p.steps])
 
     rows = []
-    for p in islice((p for p in _stream(split, seed, difficulty, "code") if function_split(p) == split), n):
+    for p in islice((p for p in _stream(split, seed, DEFAULT_DIFFICULTY, "code") if function_split(p) == split), n):
         x0 = p.steps[0][0]
         question = re.sub(rf"\b{x0}\b", "x", p.question, count=1)  # the first number is the first step's a
         body = [f"    x = x {_CODE_OPS[op]} {b}" for _, op, b, _ in p.steps]
@@ -387,9 +386,9 @@ def code_problems(split: str, n: int, seed: int = 0, difficulty: Difficulty = DE
     return rows
 
 
-def code_conversations(split: str, n: int, seed: int = 0, difficulty: Difficulty = DEFAULT_DIFFICULTY) -> list[dict]:
+def code_conversations(split: str, n: int, seed: int = 0) -> list[dict]:
     """SFT rows for the code task: the prompt and its reference function."""
-    return [{"messages": [*r["prompt"], _assistant(r["solution"])]} for r in code_problems(split, n, seed, difficulty)]
+    return [{"messages": [*r["prompt"], _assistant(r["solution"])]} for r in code_problems(split, n, seed)]
 
 
 # -----------------------------------------------------------------------------
