@@ -92,7 +92,7 @@ def config_from_hf(hf: dict, where="config.json") -> GPTConfig:
     if rope_scaling is None and rope.get("rope_type", "default") != "default":
         rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     n_head = hf["num_attention_heads"]
-    stored = hf.get("dtype") or hf.get("torch_dtype")  # GPTConfig.dtype: "bfloat16" as is, "auto" or none None
+    stored = hf.get("dtype") or hf.get("torch_dtype")  # GPTConfig.dtype: a dtype as is; "auto" or none: None
     try:  # the model raises ValueError on a shape or a RoPE it cannot build: the user's folder is named
         config = GPTConfig(
             vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=n_head,
