@@ -1,5 +1,6 @@
-"""Collectives that scale: --dist-timeout bounds how long a rank waits in a collective, and held-out
-evaluation split across 2 gloo ranks (each its share, the sums all-reduced) equals one process."""
+"""Collectives that scale: --dist-timeout bounds how long a rank waits in a collective, a rank with fewer
+batches joins the others' passes (rank_passes), and held-out evaluation split across 2 gloo ranks (each its
+share, the sums all-reduced) equals one process."""
 import json
 import os
 import socket
@@ -11,7 +12,8 @@ import torch.multiprocessing as mp
 
 import rewards
 from evaluation import evaluate_chat
-from common import cleanup_dist, init_dist
+import common
+from common import cleanup_dist, init_dist, rank_passes
 from packing import heldout_loss
 from model import GPT, GPTConfig
 from tasks import rl_prompts, sft_conversations
@@ -58,6 +60,18 @@ def test_a_rank_waiting_past_dist_timeout_gives_up_instead_of_hanging(tmp_path):
     with open(out) as f:
         waited = json.load(f)
     assert waited["outcome"].startswith("raised") and 2 <= waited["seconds"] < 10, waited
+
+
+def test_a_rank_with_fewer_batches_runs_idle_passes_until_the_busiest_is_done(monkeypatch):
+    """This rank holds 2 batches, the busiest rank 5: it yields its 2, in order, then runs 3 idle forwards
+    (one token, no backward), so that each of the other rank's FSDP2 forwards finds it in the collective."""
+    monkeypatch.setattr(common, "all_reduce_max", lambda n: max(n, 5))
+    forwards = []
+    model = lambda x: forwards.append(tuple(x.shape)) or torch.zeros(1, 1, requires_grad=True)  # noqa: E731
+    seen = []
+    for batch in rank_passes(model, [["a", "b"], ["c"]]):
+        seen.append((batch, len(forwards)))  # no idle pass before this rank's own batches are done
+    assert seen == [(["a", "b"], 0), (["c"], 0)] and forwards == [(1, 1)] * 3
 
 
 def even_code_sum(verifier, answer, truth):  # a random model never answers right: grade a property of the text
