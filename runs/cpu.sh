@@ -36,7 +36,7 @@ stage rm $PY chat_rm.py "${OW[@]}"
 # DPO on its own answers, judged by the verifier (a correct answer against a wrong one to the same prompt)
 stage dpo $PY chat_dpo.py "${OW[@]}" --tools --pairs on-policy
 # RL and PPO start from the model the SFT stage has just evaluated: no second evaluation at step 0
-stage rl $PY -m torch.distributed.run --standalone --nproc_per_node=2 chat_rl.py "${OW[@]}" --tools --steps 6 --no-eval-before-train
+stage rl $PY runs/launch.py --standalone --nproc_per_node=2 chat_rl.py "${OW[@]}" --tools --steps 6 --no-eval-before-train
 stage ppo $PY chat_ppo.py "${OW[@]}" --tools --steps 12 --no-eval-before-train
 echo; echo "pipeline done in $((SECONDS - t_all)) s"
 $PY chat_eval.py --report

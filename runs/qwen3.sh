@@ -3,10 +3,11 @@
 # Nothing is downloaded: MODEL is a local Hugging Face folder (huggingface-cli download, elsewhere).
 #   MODEL=/models/Qwen3-1.7B-Base SFT=sft.jsonl PREFS=prefs.jsonl RL=rl.jsonl NGPU=8 bash runs/qwen3.sh
 #   FSDP=1 ... shards parameters, gradients and optimizer state across the GPUs (needed past ~1.7B on 80 GB)
+#   OVERWRITE=1 ... replaces this script's earlier runs (without it a second run refuses); a switch is on at 1 only
 # Learning rates: every stage takes the real-model preset unless LR_SFT / LR_DPO / LR_RL are set (the
 # stage prints which it uses). Each stage prints its estimated peak memory per device before it starts.
 # Try it small, or on CPU, before renting GPUs: every size below is a variable, e.g.
-#   DEVICE=cpu NGPU=1 SEQ_LEN=512 BATCH=4 DEVICE_BATCH=1 PROMPTS=4 MAX_NEW_TOKENS=32 RL_STEPS=2 MODEL=... bash runs/qwen3.sh
+#   DEVICE=cpu NGPU=1 SEQ_LEN=512 BATCH=4 DEVICE_BATCH=2 PROMPTS=2 MAX_NEW_TOKENS=16 RL_STEPS=1 MODEL=... SFT=... bash runs/qwen3.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to a Qwen3 folder}" "${SFT:?set SFT to a {messages} JSONL}"
@@ -17,8 +18,11 @@ NGPU=${NGPU:-1}
 SEQ_LEN=${SEQ_LEN:-4096} BATCH=${BATCH:-64} DEVICE_BATCH=${DEVICE_BATCH:-2}
 PROMPTS=${PROMPTS:-$((32 * NGPU))} MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048} RL_STEPS=${RL_STEPS:-200}
 RUN=${RUN:-qwen3}
-FLAGS=(--device "$DEVICE" --run-name "$RUN" ${FSDP:+--fsdp} --grad-checkpointing ${OVERWRITE:+--overwrite})
-launch() { $PY -m torch.distributed.run --standalone --nproc_per_node="$NGPU" "$@"; }
+FLAGS=(--device "$DEVICE" --run-name "$RUN" --grad-checkpointing)
+if [ "${FSDP:-0}" = 1 ]; then FLAGS+=(--fsdp); fi            # switches are on at 1 only: FSDP=0 is off
+if [ "${OVERWRITE:-0}" = 1 ]; then FLAGS+=(--overwrite); fi  # OVERWRITE=1 replaces this script's earlier runs
+# torchrun, minus its traceback when a stage stops on a mistake of ours (the stage's one error line stays visible)
+launch() { $PY runs/launch.py --standalone --nproc_per_node="$NGPU" "$@"; }
 export NANOPOST_HOME=${NANOPOST_HOME:-$PWD/out/qwen3}
 
 launch chat_sft.py --init "$MODEL" --data "$SFT" "${FLAGS[@]}" --seq-len "$SEQ_LEN" --batch-size "$BATCH" \

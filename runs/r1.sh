@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then python3 -m venv .venv; .venv/bin/pip install -q -r requirements.txt; fi
 PY=.venv/bin/python
-TORCHRUN="$PY -m torch.distributed.run --standalone --nproc_per_node=2"
+TORCHRUN="$PY runs/launch.py --standalone --nproc_per_node=2"
 export NANOPOST_HOME="${NANOPOST_HOME:-$PWD/out/cpu}"
 H=$NANOPOST_HOME
 SFT_CONVERSATIONS=${SFT_CONVERSATIONS:-6000} RL_STEPS=${RL_STEPS:-6}

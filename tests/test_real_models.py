@@ -90,13 +90,22 @@ def test_every_stage_command_of_the_docs_runs_as_written(world, tmp_path):
     assert "loading its latest checkpoint" in r.stdout  # chat_cli says which checkpoint it talks to
 
 
+def small_cpu_line():
+    """runs/qwen3.sh's header line for trying it small on CPU, as its environment: {"DEVICE": "cpu", ...}."""
+    line = next(line for line in open(os.path.join(REPO, "runs", "qwen3.sh")) if line.startswith("#   DEVICE=cpu"))
+    return line[1:].strip(), dict(w.split("=", 1) for w in line[1:].split() if "=" in w and "..." not in w)
+
+
+def test_the_small_cpu_line_is_the_same_in_the_script_and_the_docs():
+    line, sizes = small_cpu_line()
+    assert {"DEVICE", "NGPU", "SEQ_LEN", "RL_STEPS"} <= set(sizes)
+    assert line in open(os.path.join(REPO, "docs", "real-models.md")).read()
+
+
 @pytest.mark.slow
 def test_qwen3_recipe_runs_small_on_cpu(world, tmp_path):
-    # the recipe's header line for trying it small, with its sizes from the environment
-    header = open(os.path.join(REPO, "runs", "qwen3.sh")).read()
-    assert "DEVICE=cpu" in header and "RL_STEPS=" in header
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "NANOPOST_HOME": str(tmp_path / "out"), "DEVICE": "cpu", "NGPU": "1",
-           "SEQ_LEN": "512", "BATCH": "4", "DEVICE_BATCH": "2", "PROMPTS": "2", "MAX_NEW_TOKENS": "16", "RL_STEPS": "1",
+    # the recipe's header line for trying it small (the one docs/real-models.md quotes), as a user runs it
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "NANOPOST_HOME": str(tmp_path / "out"), **small_cpu_line()[1],
            "MODEL": str(world / "Qwen3-tiny"), "SFT": str(world / "sft.jsonl"), "PREFS": str(world / "prefs.jsonl"),
            "RL": str(world / "rl.jsonl")}
     r = subprocess.run(["bash", os.path.join(REPO, "runs", "qwen3.sh")], env=env, cwd=REPO, capture_output=True,
@@ -104,7 +113,11 @@ def test_qwen3_recipe_runs_small_on_cpu(world, tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     for stage in ("sft", "dpo", "rl"):
         assert os.path.exists(os.path.join(resolve_model_path(str(tmp_path / "out" / stage / "qwen3")), "config.json"))
-    # a second run into the same directories refuses (a run directory belongs to one run) unless OVERWRITE=1
-    again = subprocess.run(["bash", os.path.join(REPO, "runs", "qwen3.sh")], env=env, cwd=REPO, capture_output=True,
-                           text=True, timeout=60)
-    assert again.returncode != 0 and "--overwrite" in again.stderr + again.stdout
+    # a second run into the same directories refuses (a run directory belongs to one run) unless OVERWRITE=1,
+    # in one line, not buried under torchrun's traceback (runs/launch.py); OVERWRITE=0 is off, not on
+    for overwrite in ({}, {"OVERWRITE": "0"}):
+        again = subprocess.run(["bash", os.path.join(REPO, "runs", "qwen3.sh")], env={**env, **overwrite}, cwd=REPO,
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-3000:]
+        errors = [line for line in again.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and "--overwrite" in errors[0], again.stderr[-3000:]

@@ -4,6 +4,7 @@ here in seconds, not 10 minutes into a pipeline. Every `X.py --flag` in every re
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -52,3 +53,45 @@ def test_every_recipe_flag_exists():
         known = dict(zip(scripts, pool.map(help_flags, scripts)))
     unknown = [f"runs/{sh}: {path} {flag}" for sh, path, flags in calls for flag in sorted(flags - known[path])]
     assert not unknown, "flags the scripts do not take:\n" + "\n".join(unknown)
+
+
+# The recipes' switches, each on at 1 only (OVERWRITE=0 once replaced a run). Each switch: the flag it adds to
+# every stage it launches, and its default.
+SWITCHES = {"cpu.sh": {"OVERWRITE": ("--overwrite", "1")}, "r1.sh": {"OVERWRITE": ("--overwrite", "0")},
+            "tulu3.sh": {"OVERWRITE": ("--overwrite", "0")},
+            "qwen3.sh": {"OVERWRITE": ("--overwrite", "0"), "FSDP": ("--fsdp", "0")}}
+
+
+TRAINING_STAGES = {"base_train.py", "chat_sft.py", "chat_rm.py", "chat_dpo.py", "chat_kto.py", "chat_rl.py",
+                   "chat_ppo.py", "chat_distill.py"}
+
+
+def stub_calls(tmp_path, script, env):
+    """Run runs/SCRIPT in a copy of the repository's layout whose .venv/bin/python (and pip) records its
+    arguments and does nothing: the stage invocations the script makes, one list of words each."""
+    root = tmp_path / script
+    os.makedirs(root / "runs")
+    os.makedirs(root / ".venv" / "bin")
+    shutil.copy(os.path.join(REPO, "runs", script), root / "runs" / script)
+    log = root / "calls.txt"
+    for name in ("python", "pip"):
+        (root / ".venv" / "bin" / name).write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+        os.chmod(root / ".venv" / "bin" / name, 0o755)
+    base = {"PATH": os.environ["PATH"], "NANOPOST_HOME": str(root / "home"), "MODEL": "/m", "SFT": "s.jsonl",
+            "PREFS": "p.jsonl", "RL": "r.jsonl", "DEVICE": "cpu", "NGPU": "2"}
+    r = subprocess.run(["bash", str(root / "runs" / script)], env={**base, **env}, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [line.split() for line in log.read_text().splitlines() if re.search(r"\b\w+\.py\b", line)]
+
+
+@pytest.mark.parametrize("script", sorted(SWITCHES))
+def test_every_switch_is_on_at_1_and_off_otherwise(tmp_path, script):
+    for name, (flag, default) in SWITCHES[script].items():
+        for value in ("1", "0", "", None):
+            env = {} if value is None else {name: value}
+            stages = [c for c in stub_calls(tmp_path / f"{name}-{value}", script, env)
+                      if any(w in TRAINING_STAGES for w in c)]
+            assert stages, f"{script}: no stage launched"
+            on = (value or default) == "1"  # empty is unset: the default
+            assert all((flag in c) == on for c in stages), f"{script} with {name}={value!r}: {stages}"
