@@ -23,14 +23,15 @@ import torch
 
 import peak_memory
 from checkpoint import load_model, resume_checkpoint, resume_state, save_checkpoint
-from common import (Default, UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters,
-                    check_finite, dist_info, fit_warmup, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from common import (Default, UserError, all_reduce_dict, all_reduce_sum, autocast, broadcast_parameters, check_finite,
+                    dist_info, fit_warmup, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, unwrap, wrap_model)
 from engine import Engine
 from evaluation import scores_line
 from model import GPT, GPTConfig
 from packing import IGNORE, check_batch_fits, epoch_batch, heldout_loss, make_batch, pack_bfd
 from rewards import has_format, verify
+from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import generate_problems, pretrain_text, sft_conversations
 from tokenizer import Tokenizer, render_text
 
@@ -117,7 +118,7 @@ def eval_samples(model, tok, n, seed, max_new_tokens=160):
 
 def main():
     args = parser.parse_args()
-    dist, out_dir, log = start_run(args, "base", "base_train")
+    dist, out_dir = start_run(args, "base", "base_train")
     device = dist.device
 
     tok = build_tokenizer(args, dist)
@@ -154,11 +155,12 @@ def main():
     print0(f"model: {unwrap(model).num_params():,} parameters, {config}")
     fwd = torch.compile(model) if args.compile else model
 
-    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
+    log = open_run(args, out_dir, "base")  # every input checked: now --overwrite replaces the old run
+    warmup_steps = fit_warmup(args.warmup_steps, args.steps)
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="base")
     t_last, tokens_since = time.time(), 0
     for step in bar:
-        lr = lr_at(step, args.steps, args.lr, args.warmup_steps)
+        lr = lr_at(step, args.steps, args.lr, warmup_steps)
         set_lr(optimizer, lr)
         rows = epoch_batch(len(train_rows), step, args.batch_size, args.seed)
         my_rows = [train_rows[i] for i in rows[dist.rank::dist.world_size]]  # this rank's share

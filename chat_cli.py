@@ -20,11 +20,10 @@ import sys
 
 import torch
 
-from checkpoint import load_hf, resolve_model_path
-from common import UserError, compute_dtype, run_main
+from checkpoint import load_hf, load_tokenizer, resolve_model_path
+from common import UserError, check_flag_ranges, compute_dtype, run_main
 from engine import Engine
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import Tokenizer
 
 
 def next_prompt(tok, conversation, user_text, tools=None):
@@ -85,15 +84,9 @@ def chat_turn(engine, tok, prompt, args, turn, out=sys.stdout):
 
 def load(path, device):
     """The chat model and tokenizer at `path`, in the compute dtype (nothing here trains)."""
-    path = resolve_model_path(path)  # a UserError naming the path when there is nothing to load
-    try:
-        tok = Tokenizer.load(path)
-    except (FileNotFoundError, ValueError) as e:  # no tokenizer.json, or no ChatML tokens in it
-        raise UserError(str(e) if path in str(e) else f"{path}: {e}") from None
-    model = load_hf(path, dtype=compute_dtype(device), device=device)
-    if model.config.head != "lm":
-        raise UserError(f"{path}: a reward model or critic (one score per token), not a chat model")
-    return model.eval(), tok
+    path = resolve_model_path(path, head="lm")  # a UserError naming the path when there is nothing to load
+    tok = load_tokenizer(path)
+    return load_hf(path, dtype=compute_dtype(device), device=device).eval(), tok
 
 
 def main():
@@ -105,6 +98,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     args = ap.parse_args()
+    check_flag_ranges(args, greedy=True)
     if not args.init:
         raise UserError("--init PATH is required: a model folder (config.json) or a run directory, e.g. out/sft/default")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

@@ -47,10 +47,11 @@ import torch
 
 import peak_memory
 from chat_rl import update_policy
-from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_state, save_checkpoint
-from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, compute_dtype,
-                    fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from checkpoint import (load_config, load_model, load_tokenizer, resolve_model_path, resume_checkpoint, resume_state,
+                        save_checkpoint)
+from common import (UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, compute_dtype, fit_warmup,
+                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, unwrap, wrap_model)
 from data import rl_rows
 from engine import Engine
 from evaluation import heldout_scores
@@ -58,8 +59,9 @@ from packing import micro_batches
 from rewards import Grader
 from rollout import (add_sampling_flags, batch_logprobs, draw_prompts, prompt_length, prompts_per_rank, sample,
                      sampler_correction, training_batch)
+from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import Tokenizer, settle_chat_template
+from tokenizer import settle_chat_template
 
 parser = argparse.ArgumentParser(description="on-policy distillation from a teacher sharing the tokenizer")
 parser.add_argument("--init", default=None, help="the student: model folder or run dir (default: the SFT run)")
@@ -161,7 +163,8 @@ def same_vocabulary(a, b) -> bool:
 # Know before you OOM
 
 def teacher_folder(args) -> str:
-    return resolve_model_path(args.teacher or os.path.join(nanopost_home(), "rl", "default"))
+    return resolve_model_path(args.teacher or os.path.join(nanopost_home(), "rl", "default"), flag="--teacher",
+                              head="lm")
 
 
 def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict:
@@ -182,16 +185,16 @@ def main():
                               num_prompts=args.num_prompts, seed=args.seed)
     if not 0 <= args.discount <= 1:
         raise UserError(f"--discount {args.discount}: must be in [0, 1]")
-    dist, out_dir, log = start_run(args, "distill", "chat_distill")
+    dist, out_dir = start_run(args, "distill", "chat_distill")
     device = dist.device
 
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"), head="lm")
     teacher_path = teacher_folder(args)
-    tok = Tokenizer.load(init)
-    if not same_vocabulary(tok, Tokenizer.load(teacher_path)):
+    tok = load_tokenizer(init)
+    if not same_vocabulary(tok, load_tokenizer(teacher_path, flag="--teacher")):
         raise UserError(f"--teacher {teacher_path}: its tokenizer differs from the student's ({init}); "
                         "distillation compares the log-probs of the same token ids")
-    S, local_prompts = args.samples_per_prompt, prompts_per_rank(args.prompts_per_step, dist.world_size)
+    S, local_prompts = args.samples_per_prompt, prompts_per_rank(args.prompts_per_step, dist.world_size, len(rows))
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
     prompt_len = prompt_length(tok, rows, tool_schemas)
@@ -201,8 +204,8 @@ def main():
     # float32 master weights
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
-    args.lr = learning_rate(args.lr, "rl", unwrap(model))
-    optimizer = make_optimizer(model, args.lr)
+    peak_lr = learning_rate(args.lr, "rl", unwrap(model))
+    optimizer = make_optimizer(model, peak_lr)
     state = resume_state(ckpt, optimizer, model)  # train_seconds: in steps, evaluation excluded (--time-budget)
     start_step, train_clock = state["step"], state["train_seconds"]
     # the teacher: frozen, in the compute dtype, sharded too under --fsdp
@@ -237,17 +240,18 @@ def main():
         print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
+    log = open_run(args, out_dir, "distill")  # every input checked: now --overwrite replaces the old run
     final_scores = None
     if start_step == 0 and eval_rows:  # the teacher's scores are the target; the student's are where it starts
         teacher_scores = evaluate(teacher, 0)
         final_scores = evaluate(model, 0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()},
                 **{f"teacher/{k}": v for k, v in teacher_scores.items()})
-    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
+    warmup_steps = fit_warmup(args.warmup_steps, args.steps)
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="distill")
     for step in bar:
         t_step = time.time()
-        lr = lr_at(step, args.steps, args.lr, args.warmup_steps, final_ratio=1.0)  # warmup, then constant
+        lr = lr_at(step, args.steps, peak_lr, warmup_steps, final_ratio=1.0)  # warmup, then constant
         set_lr(optimizer, lr)
 
         # 1. samples: the student's (on-policy) or the teacher's (kd), graded only to be logged; a pure

@@ -33,19 +33,20 @@ import torch
 import torch.nn.functional as F
 
 import peak_memory
-from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_state,
-                        save_checkpoint)
+from checkpoint import (load_config, load_model, load_tokenizer, reference_model, resolve_model_path, resume_checkpoint,
+                        resume_state, save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, fit_warmup, idle_pass, learning_rate,
                     lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress,
-                    run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+                    run_main, set_lr, unwrap, wrap_model)
 from data import load_preferences, split_heldout
 from decontaminate import overlap_warning
 from lora import lora_options
 from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches
 from preferences import (add_preference_flags, completion_logps, evaluate_pairs, final_scores, pair_eval_line,
                          pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
+from rundir import open_run, start_run, write_eval
 from tasks import preference_pairs, rl_prompts
-from tokenizer import Tokenizer, settle_chat_template
+from tokenizer import settle_chat_template
 
 LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo")
 
@@ -177,16 +178,16 @@ def main():
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:  # a user file: --eval-data, or its last 2% held out
         train_rows, val_rows = split_heldout(load_preferences(args.data),
-                                             load_preferences(args.eval_data) if args.eval_data else None)
+                                             load_preferences(args.eval_data, "--eval-data") if args.eval_data else None)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
-    dist, out_dir, log = start_run(args, "dpo", "chat_dpo")
+    dist, out_dir = start_run(args, "dpo", "chat_dpo")
     device = dist.device
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
         print0(warning)
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init)
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"), head="lm")
+    tok = load_tokenizer(init)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
@@ -225,18 +226,19 @@ def main():
     check_batch_fits(per_step, len(items), "training pairs")
     steps_per_epoch = math.ceil(len(items) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
-    args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
-    args.lr = learning_rate(args.lr, "dpo", unwrap(model))
-    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    warmup_steps = fit_warmup(args.warmup_steps, total_steps)
+    peak_lr = learning_rate(args.lr, "dpo", unwrap(model))
+    optimizer = make_optimizer(model, peak_lr, args.weight_decay)
     start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; loss {args.loss}, beta {args.beta}, ref "
            f"{'none' if orpo else args.ref}; {total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
+    log = open_run(args, out_dir, "dpo")  # every input checked: now --overwrite replaces the old run
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc=args.loss)
     for step in bar:
-        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
+        lr = lr_at(step, total_steps, peak_lr, warmup_steps, args.final_lr_ratio)
         set_lr(optimizer, lr)
         mine = epoch_batch(len(items), step, per_step, args.seed)[dist.rank::dist.world_size]
         lengths = [len(items[i][0][0]) + len(items[i][1][0]) for i in mine]

@@ -27,13 +27,19 @@ import json
 import math
 import os
 
-from checkpoint import load_hf, resolve_model_path
-from common import UserError, init_dist, nanopost_home, print0, run_main
+from checkpoint import load_hf, load_tokenizer, resolve_model_path
+from common import UserError, check_flag_ranges, init_dist, nanopost_home, print0, run_main
 from evaluation import evaluate_chat, paired_change
 from tasks import rl_prompts
-from tokenizer import Tokenizer
 
 STAGES = ("base", "sft", "rm", "dpo", "rl", "ppo")
+
+
+def named_run(name: str) -> str:
+    """A run as --report, --compare and --model name it: a path relative to $NANOPOST_HOME (sft/r1, rl/default)
+    when there is one there, else the path as given (absolute, or relative to here)."""
+    under_home = os.path.join(nanopost_home(), name)
+    return under_home if not os.path.isabs(name) and os.path.exists(under_home) else name
 
 
 def report(run: str = "default", runs: list[str] | None = None, out: str | None = None) -> dict:
@@ -42,8 +48,7 @@ def report(run: str = "default", runs: list[str] | None = None, out: str | None 
     those run directories, in order, one row each, named as given; a name relative to $NANOPOST_HOME
     (sft/r1, rl/r1-rs) or any path. A recipe's steps: report(runs=["sft/r1", "rl/r1", "sft/r1-rs"])."""
     if runs:
-        paths = {name: os.path.join(nanopost_home(), name, "eval.json") if not os.path.isabs(name)
-                 else os.path.join(name, "eval.json") for name in runs}
+        paths = {name: os.path.join(named_run(name), "eval.json") for name in runs}
         missing = [name for name, path in paths.items() if not os.path.isfile(path)]
         if missing:
             raise UserError(f"--report: no eval.json in {', '.join(missing)} (under {nanopost_home()}); "
@@ -82,10 +87,11 @@ def compare_runs(run_a: str, run_b: str, problems: int = 500, samples: int = 4, 
     if samples < 1:
         raise UserError(f"--samples {samples}: need at least 1 sampled answer per problem")
     rows = rl_prompts("test", problems)
-    paths = {"a": resolve_model_path(run_a), "b": resolve_model_path(run_b)}
+    paths = {"a": resolve_model_path(named_run(run_a), "--compare", head="lm"),
+             "b": resolve_model_path(named_run(run_b), "--compare", head="lm")}
     greedy, sampled = {}, {}
     for side, path in paths.items():  # one model in memory at a time
-        model, tok = load_hf(path, device=device), Tokenizer.load(path)
+        model, tok = load_hf(path, device=device), load_tokenizer(path, "--compare")
         _, correct = evaluate_chat(model, tok, rows, max_new_tokens=max_new_tokens, use_tools=use_tools,
                                    per_prompt=True)
         greedy[side] = [float(c) for c in correct]
@@ -237,6 +243,7 @@ def main():
                     "metrics are added to (a run's eval.json keeps its other keys; sampled: pass@k_tT only)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
+    check_flag_ranges(args, greedy=True)
     if sum(map(bool, (args.model, args.compare, args.plot, args.report is not None))) != 1:
         ap.error("pass one of --model PATH, --compare RUN_A RUN_B, --plot RUN [RUN ...], --report [RUN ...]")
     if args.report is not None:
@@ -258,8 +265,8 @@ def main():
             print(f"-> {args.out}")
     else:
         dist = init_dist(args.device)
-        path = resolve_model_path(args.model)
-        model, tok = load_hf(path, device=dist.device), Tokenizer.load(path)
+        path = resolve_model_path(named_run(args.model), "--model", head="lm")
+        model, tok = load_hf(path, device=dist.device), load_tokenizer(path, "--model")
         rows = rl_prompts("test", args.problems or 200)
         m = evaluate_chat(model, tok, rows, num_samples=args.samples or 1, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p, use_tools=args.tools)

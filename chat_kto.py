@@ -26,19 +26,20 @@ import os
 import torch
 
 import peak_memory
-from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_state,
-                        save_checkpoint)
+from checkpoint import (load_config, load_model, load_tokenizer, reference_model, resolve_model_path, resume_checkpoint,
+                        resume_state, save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, check_finite, fit_warmup, idle_pass, learning_rate,
                     lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress,
-                    run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+                    run_main, set_lr, unwrap, wrap_model)
 from data import kto_rows, load_kto, split_heldout
 from decontaminate import overlap_warning
 from lora import lora_options
 from packing import check_batch_fits, epoch_batch, micro_batches
 from preferences import (add_preference_flags, completion_example, completion_logps, evaluate_pairs, final_scores,
                          pair_eval_line, pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
+from rundir import open_run, start_run, write_eval
 from tasks import preference_pairs, rl_prompts
-from tokenizer import Tokenizer, settle_chat_template
+from tokenizer import settle_chat_template
 
 parser = argparse.ArgumentParser(description="KTO: preference learning from single answers labeled good or bad")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
@@ -65,6 +66,15 @@ def kto_loss(policy_logps, ref_logps, desirable, kl, beta=0.1, desirable_weight=
     good = desirable_weight * (1 - torch.sigmoid(beta * (logratios - kl)))
     bad = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratios)))
     return torch.where(desirable, good, bad), beta * logratios.detach()
+
+
+def reference_point(partner_logratio_sum, n):
+    """KTO's reference point: the KL estimate, the mean log-ratio log pi / pi_ref of n mismatched prompt /
+    answer pairs, clamped at 0 (the KTO paper, TRL's KTOTrainer): a KL is never negative, and an unclamped
+    estimate runs negative once the policy moves away from answers that fit no prompt, dragging every
+    desirable answer's target down with it (-17.6 within 12 steps in nanopost's audit).
+    Example: log-ratios summing to +0.8 over 8 partners: 0.1; summing to -3.2: 0.0, not -0.4."""
+    return max(0.0, partner_logratio_sum / n)
 
 
 def kto_micro_loss(model, answers, ref, *, pad_id, capacity, answers_per_step, kl, beta, desirable_weight,
@@ -129,17 +139,22 @@ def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:  # a user file: --eval-data, or its last 2% held out; held-out pairs from its labeled answers
-        train_rows, val_rows = split_heldout(load_kto(args.data), load_kto(args.eval_data) if args.eval_data else None)
+        train_rows, val_rows = split_heldout(load_kto(args.data), load_kto(args.eval_data, "--eval-data") if args.eval_data else None)
         val_rows = pairs_of_singles(val_rows)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
-    dist, out_dir, log = start_run(args, "kto", "chat_kto")
+    dist, out_dir = start_run(args, "kto", "chat_kto")
     device = dist.device
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
         print0(warning)
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init)
+    if args.data and len(labels := {s["label"] for s in train_rows}) == 1:
+        only = labels.pop()
+        print0(f"warning: every training answer of {args.data} is labelled {str(only).lower()}: KTO then only "
+               f"moves those answers against the reference point and learns nothing of the other kind; add answers "
+               f"labelled {'false (undesirable)' if only else 'true (desirable)'}")
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"), head="lm")
+    tok = load_tokenizer(init)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
@@ -180,18 +195,19 @@ def main():
     check_batch_fits(per_step, len(items), "training answers")
     steps_per_epoch = math.ceil(len(items) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
-    args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
-    args.lr = learning_rate(args.lr, "dpo", unwrap(model))
-    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    warmup_steps = fit_warmup(args.warmup_steps, total_steps)
+    peak_lr = learning_rate(args.lr, "dpo", unwrap(model))
+    optimizer = make_optimizer(model, peak_lr, args.weight_decay)
     start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; beta {args.beta}, ref {args.ref}; "
            f"{total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
+    log = open_run(args, out_dir, "kto")  # every input checked: now --overwrite replaces the old run
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="kto")
     for step in bar:
-        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
+        lr = lr_at(step, total_steps, peak_lr, warmup_steps, args.final_lr_ratio)
         set_lr(optimizer, lr)
         mine = epoch_batch(len(items), step, per_step, args.seed)[dist.rank::dist.world_size]
         micros = [[mine[j] for j in part] for part in
@@ -207,7 +223,7 @@ def main():
                     continue
                 partners = completion_logps(fwd, [items[i][1] for i in m], pad, "packed", cap)[0]
                 kl_sum += (partners - reference_of(m, items, ref, ref_model, pad, cap)[:, 1]).sum().item()
-        kl = max(0.0, all_reduce_sum(kl_sum) / per_step)
+        kl = reference_point(all_reduce_sum(kl_sum), per_step)
         totals = {"loss": 0.0}
         for j, m in enumerate(micros):
             # DDP sums gradients over ranks only at the last pass of the step (forward and backward)

@@ -38,12 +38,11 @@ import time
 import torch
 
 import peak_memory
-from checkpoint import (load_config, load_model, load_training_state, reference_model, resolve_model_path,
-                        resume_checkpoint, resume_state, save_checkpoint)
-from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup,
-                    global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
-                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
-                    write_eval)
+from checkpoint import (load_config, load_model, load_tokenizer, load_training_state, reference_model,
+                        resolve_model_path, resume_checkpoint, resume_state, save_checkpoint)
+from common import (UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup, global_mean_var,
+                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, unwrap, wrap_model)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
@@ -53,8 +52,9 @@ from packing import micro_batches
 from rewards import Grader, grader_shapes
 from rollout import (add_rollout_flags, batch_logprobs, draw_prompts, kl_penalty, prompt_length, prompts_per_rank,
                      rollout_metrics, sample, sampler_correction, training_batch)
+from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import Tokenizer, settle_chat_template
+from tokenizer import settle_chat_template
 
 parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and reference")
 parser.add_argument("--init", default=None, help="actor (and reference) model folder or run dir (default: the SFT run)")
@@ -230,7 +230,7 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
 def critic_folder(args, init) -> str:
     """Where the critic starts: --critic-init, else the reward model of chat_rm.py, else the actor's folder."""
     if args.critic_init is not None:
-        return resolve_model_path(args.critic_init)
+        return resolve_model_path(args.critic_init, flag="--critic-init")
     try:
         return resolve_model_path(os.path.join(nanopost_home(), "rm", "default"))
     except UserError:
@@ -257,15 +257,15 @@ def main():
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     rows, eval_rows = rl_rows(args.data, args.eval_data, eval_problems=args.eval_problems,
                               num_prompts=args.num_prompts, seed=args.seed)
-    dist, out_dir, log = start_run(args, "ppo", "chat_ppo")
+    dist, out_dir = start_run(args, "ppo", "chat_ppo")
     device = dist.device
     if args.data and (warning := overlap_warning(rows, eval_rows)):  # the held-out rows should be new to training
         print0(warning)
-    local_prompts, S = prompts_per_rank(args.prompts_per_step, dist.world_size), args.samples_per_prompt
+    local_prompts, S = prompts_per_rank(args.prompts_per_step, dist.world_size, len(rows)), args.samples_per_prompt
     if local_prompts * S < args.minibatches:
         raise UserError(f"each rank needs at least --minibatches answers per step ({local_prompts * S} < {args.minibatches})")
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init)
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"), head="lm")
+    tok = load_tokenizer(init)
 
     # the four networks. 1: the actor, the policy being trained, float32 master weights
     ckpt = resume_checkpoint(out_dir) if args.resume else None
@@ -284,21 +284,21 @@ def main():
     peak_memory.check(memory_estimate(args, init, prompt_len=prompt_len, world_size=dist.world_size,
                                       cuda=device.type == "cuda"), device)
     actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)
+                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True)), fsdp=args.fsdp)
     # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (docs/lora.md)
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp,
                                    save_dtype=args.save_dtype,
-                                   lora=lora_options(args, resume=bool(critic_ckpt))), fsdp=args.fsdp)
+                                   lora=lora_options(args, resume=bool(critic_ckpt), scores_samples=True)), fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
     ref_model = reference_model(actor, init, args.fsdp) if use_kl else None  # LoRA: the actor, adapters off
 
-    args.lr = learning_rate(args.lr, "ppo", unwrap(actor))
-    args.critic_lr = learning_rate(args.critic_lr, "critic", unwrap(critic), name="--critic-lr")
-    actor_opt = make_optimizer(actor, args.lr)
-    critic_opt = make_optimizer(critic, args.critic_lr)
+    peak_lr = learning_rate(args.lr, "ppo", unwrap(actor))
+    critic_peak_lr = learning_rate(args.critic_lr, "critic", unwrap(critic), name="--critic-lr")
+    actor_opt = make_optimizer(actor, peak_lr)
+    critic_opt = make_optimizer(critic, critic_peak_lr)
     if ckpt:
         if os.path.basename(critic_ckpt) != os.path.basename(ckpt):
             raise UserError(f"--resume: the actor's checkpoint {ckpt} and the critic's {critic_ckpt} are of different "
@@ -316,17 +316,18 @@ def main():
         return heldout_scores(actor, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
                               seed=step, use_tools=args.tools, label=f"eval @ step {step}", **logits_settings)
 
+    log = open_run(args, out_dir, "ppo")  # every input checked: now --overwrite replaces the old run
     final_scores = None
     if start_step == 0 and eval_rows and args.eval_before_train:  # every rank evaluates its share
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
-    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
+    warmup_steps = fit_warmup(args.warmup_steps, args.steps)
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="ppo")
     for step in bar:
         t_step = time.time()
-        lr = lr_at(step, args.steps, args.lr, args.warmup_steps, final_ratio=1.0)  # warmup, then constant
+        lr = lr_at(step, args.steps, peak_lr, warmup_steps, final_ratio=1.0)  # warmup, then constant
         set_lr(actor_opt, lr)
-        set_lr(critic_opt, lr_at(step, args.steps, args.critic_lr, args.warmup_steps, final_ratio=1.0))
+        set_lr(critic_opt, lr_at(step, args.steps, critic_peak_lr, warmup_steps, final_ratio=1.0))
         train_actor = step >= args.freeze_actor_steps
 
         # 1. generate: this rank's prompts (a pure function of seed, step and rank), S answers each, graded

@@ -51,12 +51,11 @@ import time
 import torch
 
 import peak_memory
-from checkpoint import (load_config, load_model, reference_model, resolve_model_path, resume_checkpoint, resume_state,
-                        save_checkpoint)
-from common import (UserError, add_run_flags, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup,
-                    global_mean_var, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
-                    optimizer_step, peak_memory_mb, print0, progress, run_main, set_lr, start_run, unwrap, wrap_model,
-                    write_eval)
+from checkpoint import (load_config, load_model, load_tokenizer, reference_model, resolve_model_path, resume_checkpoint,
+                        resume_state, save_checkpoint)
+from common import (UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup, global_mean_var,
+                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
+                    peak_memory_mb, print0, progress, run_main, set_lr, unwrap, wrap_model)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
@@ -67,8 +66,9 @@ from rewards import Grader, grader_shapes
 from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts,
                      dynamic_sampling, heldout_rewards, idle_warning, kl_penalty, kl_to_start, overlong_penalty,
                      prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
+from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
-from tokenizer import PROMPT_FORMATS, Tokenizer, settle_chat_template
+from tokenizer import PROMPT_FORMATS, settle_chat_template
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
 parser.add_argument("--init", default=None, help="model folder or run dir (default: the SFT run)")
@@ -330,25 +330,25 @@ def main():
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     rows, eval_rows = rl_rows(args.data, args.eval_data, eval_problems=args.eval_problems,
                               num_prompts=args.num_prompts, seed=args.seed)
-    dist, out_dir, log = start_run(args, "rl", "chat_rl")
+    dist, out_dir = start_run(args, "rl", "chat_rl")
     device = dist.device
     if args.data and (warning := overlap_warning(rows, eval_rows)):  # the held-out rows should be new to training
         print0(warning)
 
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init).with_prompt_format(args.prompt_format)
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"), head="lm")
+    tok = load_tokenizer(init).with_prompt_format(args.prompt_format)
     tool_schemas = [CALCULATOR_SCHEMA] if args.tools else None
     settle_chat_template(tok, rows, args.chat_template, tools=tool_schemas)  # checkpoints ship what we train on
-    G, local_prompts = args.group_size, prompts_per_rank(args.prompts_per_step, dist.world_size)
+    G, local_prompts = args.group_size, prompts_per_rank(args.prompts_per_step, dist.world_size, len(rows))
     peak_memory.check(memory_estimate(args, init, prompt_len=prompt_length(tok, rows, tool_schemas),
                                       world_size=dist.world_size, cuda=device.type == "cuda"), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)
+                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True)), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
-    args.lr = learning_rate(args.lr, "rl", unwrap(model))
-    optimizer = make_optimizer(model, args.lr)
+    peak_lr = learning_rate(args.lr, "rl", unwrap(model))
+    optimizer = make_optimizer(model, peak_lr)
     state = resume_state(ckpt, optimizer, model)  # train_seconds: in steps, evaluation excluded (--time-budget)
     start_step, train_clock = state["step"], state["train_seconds"]
     # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); at beta = 0 only for kl_to_start
@@ -387,16 +387,17 @@ def main():
     behind = StaleSampler(engine, sample_step, off_policy=args.off_policy, staleness=args.staleness, steps=args.steps) \
         if args.off_policy or args.staleness else None
 
+    log = open_run(args, out_dir, "rl")  # every input checked: now --overwrite replaces the old run
     final_scores = None
     if start_step == 0 and eval_rows and args.eval_before_train:  # every rank evaluates its share
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
-    args.warmup_steps = fit_warmup(args.warmup_steps, args.steps)
+    warmup_steps = fit_warmup(args.warmup_steps, args.steps)
     idle_steps = 0
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="rl")
     for step in bar:
         t_step = time.time()
-        lr = lr_at(step, args.steps, args.lr, args.warmup_steps, final_ratio=1.0)  # warmup, then constant
+        lr = lr_at(step, args.steps, peak_lr, warmup_steps, final_ratio=1.0)  # warmup, then constant
         set_lr(optimizer, lr)
 
         # 1. rollouts: this rank's prompts, G answers each, graded (dynamic sampling: mixed groups only);

@@ -29,20 +29,21 @@ import torch
 import torch.nn.functional as F
 
 import peak_memory
-from checkpoint import (load_config, load_lm_head, load_model, resolve_model_path, resume_checkpoint, resume_state,
-                        save_checkpoint)
-from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_dict, autocast, check_finite,
-                    dist_info, fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
-                    optimizer_step, peak_memory_mb, print0, progress, rank_passes, run_main, set_lr, start_run, unwrap,
-                    wrap_model, write_eval)
+from checkpoint import (load_config, load_lm_head, load_model, load_tokenizer, resolve_model_path, resume_checkpoint,
+                        resume_state, save_checkpoint)
+from common import (Default, UserError, all_gather_objects, all_reduce_dict, autocast, check_finite, dist_info,
+                    fit_warmup, idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync,
+                    optimizer_step, peak_memory_mb, print0, progress, rank_passes, run_main, set_lr, unwrap,
+                    wrap_model)
 from data import load_preferences, split_heldout
 from decontaminate import overlap_warning
 from evaluation import scores_line
 from lora import add_lora_flags, lora_options
 from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches, pack_sequences
 from rewards import score
+from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import preference_pairs
-from tokenizer import Tokenizer, settle_chat_template
+from tokenizer import settle_chat_template
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
@@ -212,7 +213,7 @@ def main():
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:  # a user file: --eval-data, or its last 2% held out
         train_rows, val_rows = split_heldout(load_preferences(args.data),
-                                             load_preferences(args.eval_data) if args.eval_data else None)
+                                             load_preferences(args.eval_data, "--eval-data") if args.eval_data else None)
     else:
         try:
             kinds = parse_kinds(args.kinds)
@@ -220,12 +221,12 @@ def main():
         except ValueError as e:
             raise UserError(f"--kinds {args.kinds!r}: {e}") from None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
-    dist, out_dir, log = start_run(args, "rm", "chat_rm")
+    dist, out_dir = start_run(args, "rm", "chat_rm")
     device = dist.device
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training
         print0(warning)
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"))
-    tok = Tokenizer.load(init)
+    tok = load_tokenizer(init)
     settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     train_pairs, dropped = render_pairs(tok, train_rows, args.max_len)
     val_pairs, _ = render_pairs(tok, val_rows, args.max_len)
@@ -241,7 +242,7 @@ def main():
     check_batch_fits(per_step, len(train_pairs), "training pairs")
     steps_per_epoch = math.ceil(len(train_pairs) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
-    args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
+    warmup_steps = fit_warmup(args.warmup_steps, total_steps)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
@@ -253,17 +254,18 @@ def main():
     if args.lm_coef:
         attach_vocab_head(model, init)
     model = wrap_model(model, fsdp=args.fsdp)  # DDP under torchrun, or FSDP2 with --fsdp
-    args.lr = learning_rate(args.lr, "rm", unwrap(model))
-    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    peak_lr = learning_rate(args.lr, "rm", unwrap(model))
+    optimizer = make_optimizer(model, peak_lr, args.weight_decay)
     start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps ({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
     ev = None  # the latest held-out evaluation; the loop's last step always makes one
+    log = open_run(args, out_dir, "rm")  # every input checked: now --overwrite replaces the old run
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="rm")
     for step in bar:
-        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
+        lr = lr_at(step, total_steps, peak_lr, warmup_steps, args.final_lr_ratio)
         set_lr(optimizer, lr)
         step_pairs = [train_pairs[i] for i in epoch_batch(len(train_pairs), step, per_step, args.seed)]
         mine = step_pairs[dist.rank::dist.world_size]

@@ -44,14 +44,14 @@ import json
 import os
 import sys
 
-from checkpoint import load_hf, resolve_model_path
-from common import UserError, all_gather_objects, init_dist, nanopost_home, print0, print_config, run_main, seed_everything
+from checkpoint import load_hf, load_tokenizer, resolve_model_path
+from common import (UserError, all_gather_objects, check_flag_ranges, init_dist, nanopost_home, print0, print_config,
+                    run_main, seed_everything)
 from data import load_rl
 from engine import Engine
 from rewards import Grader, parse_reward
 from sampled_data import KEEP, build_rows, sample_groups
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
-from tokenizer import Tokenizer
 
 parser = argparse.ArgumentParser(description="sample k answers per prompt, grade them, keep the verified or the best")
 parser.add_argument("--init", default=None, help="model folder or run dir to sample from (default: the RL run)")
@@ -90,6 +90,7 @@ def write_jsonl(path, rows):
 def main():
 
     args = parser.parse_args()
+    check_flag_ranges(args, greedy=True)
     # what to write, the reward and the data first: a mistake stops the run before any model is loaded
     if not args.out and not args.pairs_out:
         raise UserError("nothing to write: pass --out FILE (SFT rows) and/or --pairs-out FILE (preference pairs)")
@@ -108,8 +109,8 @@ def main():
     dist = init_dist(args.device, args.dist_timeout)
     seed_everything(args.seed, dist.rank)
     print_config(args, "chat_sample")
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "rl", "default"))
-    model, tok = load_hf(init, device=dist.device), Tokenizer.load(init)
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "rl", "default"), head="lm")
+    model, tok = load_hf(init, device=dist.device), load_tokenizer(init)
     grader = Grader(args.reward, tok, dist.device, rubric=args.rubric)
     print0(f"sampling {len(rows)} prompts x {args.samples} answers from {init} on {dist.world_size} rank(s); "
            f"reward {args.reward}")

@@ -26,17 +26,19 @@ import os
 import torch
 
 import peak_memory
-from checkpoint import load_config, load_model, resolve_model_path, resume_checkpoint, resume_state, save_checkpoint
-from common import (Default, UserError, add_run_flags, all_reduce_sum, autocast, check_finite, fit_warmup,
-                    learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb,
-                    print0, progress, run_main, set_lr, start_run, unwrap, wrap_model, write_eval)
+from checkpoint import (load_config, load_model, load_tokenizer, resolve_model_path, resume_checkpoint, resume_state,
+                        save_checkpoint)
+from common import (Default, UserError, all_reduce_sum, autocast, check_finite, fit_warmup, learning_rate, lr_at,
+                    make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main,
+                    set_lr, unwrap, wrap_model)
 from data import load_sft, split_heldout
 from decontaminate import overlap_warning
-from evaluation import heldout_scores, scores_line
+from evaluation import MIN_HELDOUT, heldout_scores, scores_line
 from lora import add_lora_flags, lora_options
 from packing import IGNORE, check_batch_fits, epoch_batch, heldout_loss, make_batch, pack_bfd, sft_example
+from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import rl_prompts, sft_conversations
-from tokenizer import Tokenizer, settle_chat_template
+from tokenizer import settle_chat_template
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
@@ -128,15 +130,15 @@ def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
-    held_out = load_sft(args.eval_data) if args.eval_data else None
+    held_out = load_sft(args.eval_data, "--eval-data") if args.eval_data else None
     if args.data:  # a user file: --eval-data, or its last 2% held out
         train_rows, val_rows = split_heldout(train_rows, held_out)
     else:
         val_rows = held_out or sft_conversations("val", args.num_val, seed=args.seed)
-    dist, out_dir, log = start_run(args, "sft", "chat_sft")
+    dist, out_dir = start_run(args, "sft", "chat_sft")
     device = dist.device
-    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"))
-    tok = Tokenizer.load(init)
+    init = resolve_model_path(args.init or os.path.join(nanopost_home(), "base", "default"), head="lm")
+    tok = load_tokenizer(init)
     settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     # pass@1 on held-out problems: the embedded world's (a user's SFT rows have no answer key)
     eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []
@@ -152,6 +154,9 @@ def main():
     n_trained = sum(sum(t != IGNORE for t in y) for _, y in train_ex)
     print0(f"data: {counts} conversations over {len(rows)} rows ({args.packing}); {n_tokens:,} tokens, "
            f"{n_trained:,} trained ({n_trained / n_tokens:.0%})")
+    if len(val_ex) < MIN_HELDOUT:  # as every stage says of its held-out figures (evaluation.scores_line)
+        print0(f"note: the held-out loss rests on {len(val_ex)} conversation(s) (--eval-data, --num-val, or the last "
+               f"2% of --data): too few for its changes to mean much; hold out {MIN_HELDOUT} or more")
     if counts["dropped"] or counts["cropped"]:
         print0(f"note: {counts['dropped']} dropped and {counts['cropped']} cropped for exceeding --seq-len "
                f"{args.seq_len} (--overlong {args.overlong})")
@@ -164,7 +169,7 @@ def main():
     check_batch_fits(per_step, len(rows), "packed rows" if args.packing != "none" else "conversations")
     steps_per_epoch = math.ceil(len(rows) / per_step)
     total_steps = args.steps or max(1, round(args.epochs * steps_per_epoch))
-    args.warmup_steps = fit_warmup(args.warmup_steps, total_steps)
+    warmup_steps = fit_warmup(args.warmup_steps, total_steps)
 
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
@@ -172,16 +177,17 @@ def main():
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
                                   lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
-    args.lr = learning_rate(args.lr, "sft", unwrap(model))
-    optimizer = make_optimizer(model, args.lr, args.weight_decay)
+    peak_lr = learning_rate(args.lr, "sft", unwrap(model))
+    optimizer = make_optimizer(model, peak_lr, args.weight_decay)
     start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps "
            f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
     fwd = torch.compile(model) if args.compile else model
 
+    log = open_run(args, out_dir, "sft")  # every input checked: now --overwrite replaces the old run
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft")
     for step in bar:
-        lr = lr_at(step, total_steps, args.lr, args.warmup_steps, args.final_lr_ratio)
+        lr = lr_at(step, total_steps, peak_lr, warmup_steps, args.final_lr_ratio)
         set_lr(optimizer, lr)
         step_rows = [rows[i] for i in epoch_batch(len(rows), step, per_step, args.seed)]
         my_rows = step_rows[dist.rank::dist.world_size]  # this rank's share of the global batch

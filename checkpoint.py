@@ -15,7 +15,6 @@ import errno
 import json
 import os
 import random
-import re
 import shutil
 
 import numpy as np
@@ -32,6 +31,8 @@ from torch.distributed.tensor import distribute_tensor
 from common import UserError, barrier, compute_dtype, dist_info, print0, reshard, shard_model, unwrap
 from lora import LORA_TARGETS, adapter_chain, add_lora, lora_init_tensors, merged_updates, read_adapter, save_adapter
 from model import GPT, GPTConfig, rope_inv_freq
+from rundir import PINS, latest_checkpoint, list_checkpoints, live_dependents
+from tokenizer import Tokenizer
 
 # ------------------------------------------------------------------------------------------------
 # config.json in the Hugging Face form
@@ -70,7 +71,7 @@ def config_to_hf(c: GPTConfig, dtype, tokenizer=None) -> dict:
     if tokenizer is not None:
         hf["eos_token_id"] = tokenizer.eos_id
         hf["pad_token_id"] = tokenizer.pad_id
-        hf["bos_token_id"] = None
+        hf["bos_token_id"] = tokenizer.generation_defaults.get("bos_token_id")  # the --init folder's, if it had one
     else:
         hf["eos_token_id"] = None
     return hf
@@ -292,10 +293,9 @@ def save_hf(model, path, tokenizer=None, dtype=None, max_shard_bytes=5 * 2**30):
     hf = config_to_hf(model.config, out_dtype, tokenizer)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    if model.config.head == "lm":
-        # generate() stops where our engine stops: <|im_end|> first (the end of turn), then <|endoftext|>
-        eos = [tokenizer.eos_id] + sorted(tokenizer.stop_ids - {tokenizer.eos_id}) if tokenizer else None
-        gen = {"eos_token_id": eos, "pad_token_id": hf.get("pad_token_id"), "bos_token_id": None}
+    if model.config.head == "lm":  # the input's sampling settings, and generate() stopping where our engine stops
+        gen = tokenizer.generation_config() if tokenizer else {"eos_token_id": None, "pad_token_id": None,
+                                                               "bos_token_id": None}
         with open(os.path.join(path, "generation_config.json"), "w") as f:
             json.dump(gen, f, indent=2)
     if tokenizer is not None:
@@ -338,9 +338,6 @@ def reference_model(model, init, fsdp=False):
 # ------------------------------------------------------------------------------------------------
 # Checkpoints: a model folder plus the training state, written atomically
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
 def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2):
     """Write run_path/checkpoints/step_XXXXXX/ : a Hugging Face folder (config.json, the safetensors
     weights, tokenizer files: what transformers reads; a LoRA run's: its adapter folder in PEFT's format,
@@ -352,8 +349,8 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
     *.safetensors picks up: master_weights.pt (or the "model" entry of the optimizer/ folder under FSDP2), so
     that --resume continues exactly. Everything goes to
     a .tmp folder renamed into place only when complete, so a process killed mid-save leaves the previous
-    checkpoint intact; a full disk is a UserError naming the folder. The `keep` newest are kept. Every
-    rank calls it."""
+    checkpoint intact; a full disk is a UserError naming the folder. The `keep` newest are kept, and any that
+    another run's LoRA adapters are built on (pin_bases). Every rank calls it."""
     root = os.path.join(run_path, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
@@ -395,8 +392,11 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
+            if getattr(gpt, "lora", None):  # the folders its adapter builds on must outlive their runs' rotation
+                pin_bases(gpt.lora["base"], run_path)
             for old in list_checkpoints(run_path)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if not live_dependents(old):  # a checkpoint another run's adapters are built on stays
+                    shutil.rmtree(old, ignore_errors=True)
     except Exception as e:
         if _disk_full(e):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -405,6 +405,24 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
         raise
     barrier()
     return final
+
+
+def pin_bases(path, run_path):
+    """Pin every checkpoint a LoRA adapter of run_path builds on: its base `path` and, when that is itself an
+    adapter, each folder down its chain (lora.adapter_chain). A run keeps only its newest checkpoints, so an
+    adapter trained on another run's checkpoint would break the day that run goes on; a pinned checkpoint
+    (pinned_by.json: the dependent run directories) is kept by rotation and refused by --overwrite for as long
+    as a dependent run still holds checkpoints (rundir.live_dependents)."""
+    base, chain = adapter_chain(path)
+    for folder in (base, *chain):
+        if os.path.basename(os.path.dirname(os.path.abspath(folder))) != "checkpoints":
+            continue  # a model folder of its own (a download, merge.py's output): nothing rotates it
+        pins_path = os.path.join(folder, PINS)
+        runs = json.load(open(pins_path)) if os.path.isfile(pins_path) else []
+        if os.path.abspath(run_path) not in runs:
+            with open(pins_path + ".tmp", "w") as f:
+                json.dump(runs + [os.path.abspath(run_path)], f, indent=2)
+            os.replace(pins_path + ".tmp", pins_path)
 
 
 def _disk_full(e) -> bool:
@@ -422,30 +440,40 @@ def _save(obj, path):
         torch.save(obj, f)
 
 
-def list_checkpoints(run_path) -> list[str]:
-    root = os.path.join(run_path, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    found = [(int(m.group(1)), os.path.join(root, d)) for d in os.listdir(root) if (m := _STEP_DIR.match(d))]
-    return [p for _, p in sorted(found) if os.path.isfile(os.path.join(p, "trainer_state.json"))]
-
-
-def latest_checkpoint(run_path):
-    ckpts = list_checkpoints(run_path)
-    return ckpts[-1] if ckpts else None
-
-
-def resolve_model_path(path: str) -> str:
+def resolve_model_path(path: str, flag: str = "--init", head: str | None = None) -> str:
     """A model folder (config.json) or LoRA adapter folder (adapter_config.json) as is; a run directory ->
-    its latest checkpoint."""
-    if any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-        return path
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise UserError(f"{path}: neither a model folder (config.json) nor a run directory with checkpoints; "
-                        f"run the previous stage first or pass --init PATH")
-    print0(f"{path}: loading its latest checkpoint, {os.path.basename(ckpt)}")
-    return ckpt
+    its latest checkpoint. flag: what named it, for the error ("--critic-init", or "rm:" for --reward rm:PATH).
+    head: what the caller needs, "lm" (a language model: the generative stages, the judge) or "scalar" (a reward
+    model): a folder with the other head stops here, in one line, before anything is loaded."""
+    named = f"{flag}{'' if flag.endswith(':') else ' '}{path}"
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise UserError(f"{named}: neither a model folder (config.json) nor a run directory with checkpoints; "
+                            f"run the stage that makes it first, or pass {flag}{'' if flag.endswith(':') else ' '}PATH")
+        print0(f"{path}: loading its latest checkpoint, {os.path.basename(ckpt)}")
+        path = ckpt
+    found = load_config(path).head
+    if head == "lm" and found == "scalar":
+        raise UserError(f"{named} is a reward model or critic (*ForSequenceClassification: one score per token), "
+                        f"and this needs a language model (*ForCausalLM), e.g. the SFT run's")
+    if head == "scalar" and found == "lm":
+        raise UserError(f"{named} is a language model, not a reward model (*ForSequenceClassification); train one "
+                        f"with chat_rm.py")
+    return path
+
+
+def load_tokenizer(path: str, flag: str = "--init") -> Tokenizer:
+    """The tokenizer of a model folder, checked against the model: every id it can produce must have a row in
+    the model's embedding (config.json's vocab_size), or the first step would index past it (a Llama folder
+    holding another family's tokenizer files)."""
+    tok = Tokenizer.load(path)
+    vocab = load_config(path).vocab_size
+    if tok.largest_id >= vocab:
+        raise UserError(f"{flag}{'' if flag.endswith(':') else ' '}{path}: its tokenizer has ids up to "
+                        f"{tok.largest_id:,} and its model {vocab:,} embedding rows (config.json vocab_size): the "
+                        f"tokenizer files belong to another model; copy the model's own tokenizer files into the folder")
+    return tok
 
 
 def resume_checkpoint(run_path: str) -> str:

@@ -12,14 +12,10 @@ batch B, with torch's DistributedDataParallel or with FSDP2 (--fsdp).
 import contextlib
 import datetime
 import gc
-import json
 import os
 import random
-import re
 import resource
-import shutil
 import sys
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +47,53 @@ def run_main(main):
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     cleanup_dist()
+
+
+# What each numeric flag can mean, by name, in every script: a value outside is refused at start, in one line
+# (check_flag_ranges; the training stages call it through start_run). Conditions joined by "," all hold; after
+# a ";" the reason, when the bound is not obvious.
+FLAG_RANGES = {
+    # optimization
+    "lr": "> 0", "critic_lr": "> 0", "weight_decay": ">= 0", "grad_clip": ">= 0", "warmup_steps": ">= 0",
+    "final_lr_ratio": ">= 0, <= 1", "steps": ">= 0", "epochs": "> 0", "time_budget": ">= 0",
+    "freeze_actor_steps": ">= 0",
+    # sizes
+    "batch_size": ">= 1", "device_batch_size": ">= 1", "seq_len": ">= 2", "max_len": ">= 2", "max_seq_len": ">= 2",
+    "micro_batch_tokens": ">= 1", "max_new_tokens": ">= 1", "prompts_per_step": ">= 1", "num_prompts": ">= 1",
+    "num_train": ">= 1", "num_val": ">= 0", "num_docs": ">= 1", "samples": ">= 1", "samples_per_prompt": ">= 1",
+    "group_size": ">= 2; a group of one answer has nothing to be compared with, so its advantage is always 0",
+    "minibatches": ">= 1", "ppo_epochs": ">= 1", "max_resample": ">= 0",
+    "max_tool_turns": ">= 0", "max_per_prompt": ">= 1", "problems": ">= 1", "nproc": ">= 1", "staleness": ">= 0",
+    "overlong_buffer": ">= 0", "vocab_size": ">= 16", "n_layer": ">= 1", "n_head": ">= 1", "n_kv_head": ">= 1",
+    "n_embd": ">= 1", "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": ">= 0, < 1",
+    # evaluation, checkpoints, processes
+    "eval_every": ">= 1", "save_every": ">= 1", "sample_every": ">= 0", "eval_problems": ">= 0", "pass_k": ">= 0",
+    "dist_timeout": "> 0",
+    # sampling (chat_cli, chat_eval and chat_sample take --temperature 0 as greedy: check_flag_ranges(greedy=True))
+    "temperature": "> 0", "top_k": ">= 1", "top_p": "> 0, <= 1",
+    # the losses
+    "eps_low": ">= 0, < 1", "eps_high": ">= 0", "dual_clip": "> 1", "tis_cap": "> 0", "mask_eps": "> 0",
+    "kl_beta": ">= 0", "kl_target": "> 0", "kl_horizon": "> 0", "target_kl": "> 0", "mask_kl_coef": ">= 0",
+    "gamma": ">= 0, <= 1", "lam": ">= 0, <= 1", "value_clip": ">= 0", "discount": ">= 0, <= 1", "beta": "> 0",
+    "label_smoothing": ">= 0, < 0.5", "rpo_alpha": ">= 0", "desirable_weight": ">= 0",
+    "undesirable_weight": ">= 0", "center_coef": ">= 0", "lm_coef": ">= 0",
+}
+FREE_NUMBERS = {"seed", "entropy_coef", "overlong_penalty", "truncated_reward", "threshold"}  # any value means something
+_COMPARE = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
+
+
+def check_flag_ranges(args, greedy=False):
+    """Refuse, in one line, a numeric flag whose value it cannot mean (FLAG_RANGES), e.g. --lr -1 or
+    --group-size 1. greedy: --temperature 0 means greedy decoding (chat_cli, chat_eval, chat_sample)."""
+    for name, value in vars(args).items():
+        spec = ">= 0" if greedy and name == "temperature" else FLAG_RANGES.get(name)
+        if spec is None or value is None or isinstance(value, bool):
+            continue
+        spec, _, why = spec.partition(";")
+        conditions = [c.split() for c in spec.split(",")]
+        if not all(_COMPARE[op](float(value), float(bound)) for op, bound in conditions):
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be {spec.replace(',', ' and')}"
+                            + (f" ({why.strip()})" if why else ""))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,7 +130,16 @@ def init_dist(device: str = "auto", timeout_minutes: float = 30) -> DistInfo:
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):  # mps, xpu, ...: autocast, collectives and kernels untested
+        raise UserError(f"--device {device}: nanopost runs on cpu or cuda (or auto: cuda when this torch sees a GPU)")
+    if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available() \
+            and dev.index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} visible GPU(s); under "
+                        f"torchrun pass --device cuda (each rank takes its LOCAL_RANK's GPU)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         if torch.version.cuda is None:
             raise UserError(f"--device cuda: this torch ({torch.__version__}) is a CPU build, without CUDA; install the "
@@ -333,7 +385,7 @@ def cleanup_dist():
 
 
 # ------------------------------------------------------------------------------------------------
-# Runs: flags, directories, metrics
+# Runs: where they write, what they print, what they cost
 
 def nanopost_home() -> str:
     return os.environ.get("NANOPOST_HOME") or os.path.join(REPO, "out")
@@ -343,129 +395,6 @@ def print_config(args, title: str):
     print0(f"== {title} ==")
     for k, v in sorted(vars(args).items()):
         print0(f"  {k:24s} {v}")
-
-
-def add_run_flags(parser, stage: str):
-    """The flags of a run's plumbing, the same in every training stage (a stage's own flags are its method's)."""
-    parser.add_argument("--run-name", default="default", help=f"output goes to $NANOPOST_HOME/{stage}/<run>")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    parser.add_argument("--overwrite", action="store_true", help="clear the run directory first, when it holds another "
-                        "run (without it a fresh run refuses to mix with an old one's checkpoints)")
-    parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project "
-                        "(WANDB_MODE=offline: no network)")
-    parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
-    parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across "
-                        "ranks (FSDP2)")
-    parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")
-    parser.add_argument("--save-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                        help="the dtype checkpoints ship in (auto: the --init folder's; training stays float32)")
-    if stage != "base":  # base_train trains its own tokenizer, with our template
-        parser.add_argument("--chat-template", default="check", choices=("check", "ours", "theirs"),
-                            help="the template checkpoints ship: check (the --init folder's, if it renders the data "
-                            "as nanopost trains it; else stop), ours (nanopost's Qwen3 template), theirs (the folder's)")
-
-
-def start_run(args, stage: str, title: str):
-    """What every training stage does first: this rank and its device (init_dist), per-rank seeds, the config
-    printed, the run directory $NANOPOST_HOME/<stage>/<run> and its metrics log (a fresh run starts a fresh
-    log; --resume appends to it). Returns (DistInfo, the run directory, the MetricsLogger)."""
-    info = init_dist(args.device, args.dist_timeout)
-    seed_everything(args.seed, info.rank)
-    print_config(args, title)
-    print0(f"training forwards compute in {str(train_dtype(info.device)).removeprefix('torch.')} "
-           f"(float32 master weights{'; $NANOPOST_CPU_AUTOCAST chooses' if info.device.type == 'cpu' else ''})")
-    out_dir = os.path.join(nanopost_home(), stage, args.run_name)
-    claim_run_dir(out_dir, args, info)
-    log = MetricsLogger(os.path.join(out_dir, "metrics.jsonl"), wandb_project=args.wandb,
-                        run_name=f"{stage}/{args.run_name}", config=vars(args))
-    return info, out_dir, log
-
-
-def claim_run_dir(path: str, args, info):
-    """A run directory belongs to one run. A fresh run (no --resume) refuses a directory that holds another
-    run's checkpoints, which a later --init or --resume would mistake for its own; --overwrite clears it
-    first (rank 0, the other ranks wait), unless one of the run's inputs lies inside it. A fresh run's
-    leftover metrics.jsonl and eval.json are removed, so none of an old run's figures pass for its own."""
-    held = sorted(d for d in os.listdir(os.path.join(path, "checkpoints")) if d.startswith("step_")) \
-        if os.path.isdir(os.path.join(path, "checkpoints")) else []
-    if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in its directory and --overwrite clears it: pass one of them")
-    barrier()  # every rank has looked before rank 0 changes anything
-    if held and not args.resume and not args.overwrite:
-        raise UserError(f"{path} holds another run's checkpoints (up to {held[-1]}): continue it with --resume, "
-                        f"start a new one with --run-name NAME, or replace it with --overwrite")
-    if args.overwrite and os.path.isdir(path):
-        inputs = [getattr(args, k, None) for k in ("init", "critic_init", "teacher", "data", "eval_data")]
-        inputs += re.findall(r"(?:rm|judge):([^+]+)", getattr(args, "reward", None) or "")
-        inside = [p for p in inputs if p and (os.path.realpath(p) + os.sep).startswith(os.path.realpath(path) + os.sep)]
-        if inside:
-            raise UserError(f"--overwrite would delete {inside[0]}, an input of this run, with {path}; "
-                            f"copy it elsewhere or pick another --run-name")
-        if info.is_main:
-            shutil.rmtree(path)
-            print0(f"--overwrite: replaced {path}" + (f" (it held checkpoints up to {held[-1]})" if held else ""))
-    elif not args.resume and info.is_main:
-        for name in ("metrics.jsonl", "eval.json"):
-            if os.path.exists(os.path.join(path, name)):
-                os.remove(os.path.join(path, name))
-    barrier()
-    os.makedirs(path, exist_ok=True)
-
-
-class MetricsLogger:
-    """Appends one JSON object per line to run_dir/metrics.jsonl (rank 0 only): {"step", "time", metrics...}.
-
-    With wandb_project, every row also goes to Weights & Biases (the same metric names, `step` as wandb's
-    step; `time` is left out, wandb records its own). wandb is optional (`pip install wandb`). Offline
-    mode is wandb's own switch: WANDB_MODE=offline writes the run under run_dir/wandb/ without an account
-    or a network, and `wandb sync run_dir/wandb/offline-run-*` uploads it later. A resumed run starts a
-    new wandb run, whose steps go on from the checkpoint's. close() finishes the wandb run."""
-
-    def __init__(self, path: str, wandb_project: str | None = None, run_name: str | None = None,
-                 config: dict | None = None):
-        self.path = path
-        self.enabled = _DIST.is_main
-        self.wandb_run = None
-        if self.enabled and wandb_project:
-            try:
-                import wandb
-            except ImportError:
-                raise UserError(f"--wandb {wandb_project}: the wandb package is not installed; pip install wandb "
-                                f"(or drop --wandb: metrics.jsonl has the same numbers)") from None
-            self.wandb_run = wandb.init(project=wandb_project, name=run_name, config=config,
-                                        dir=os.path.dirname(os.path.abspath(path)))
-
-    def log(self, step: int, **metrics):
-        if not self.enabled:
-            return
-        row = {"step": step, "time": round(time.time(), 3)}
-        row.update({k: (float(v) if isinstance(v, (torch.Tensor, np.floating)) else v) for k, v in metrics.items()})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in row.items() if k not in ("step", "time")}, step=step)
-
-    def close(self):
-        """Finish the wandb run (the JSONL file needs nothing: every row is written when logged)."""
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-            self.wandb_run = None
-
-
-def write_eval(run_path: str, metrics: dict):
-    """A stage's held-out metrics, which --report gathers: eval.json, written by rank 0, atomically, headed by
-    the run (relative to $NANOPOST_HOME) and the step of its latest checkpoint, the model they measure."""
-    if not dist_info().is_main:
-        return
-    path = os.path.join(run_path, "eval.json")
-    steps = [int(m.group(1)) for d in os.listdir(os.path.join(run_path, "checkpoints"))
-             if (m := re.fullmatch(r"step_(\d+)", d))] if os.path.isdir(os.path.join(run_path, "checkpoints")) else []
-    head = {"run": os.path.relpath(run_path, nanopost_home()), "step": max(steps, default=None)}
-    with open(path + ".tmp", "w") as f:
-        json.dump({**head, **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}}, f, indent=2)
-    os.replace(path + ".tmp", path)
 
 
 with open("/proc/self/statm") as f:  # the interpreter, torch and the libraries: what no estimate counts

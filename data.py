@@ -16,7 +16,7 @@ import json
 import os
 from typing import Callable
 
-from common import UserError
+from common import UserError, print0
 from rewards import VERIFIERS, check_ground_truth
 from tasks import rl_prompts
 
@@ -75,11 +75,21 @@ def _messages(value: object, field: str, role: str) -> list[dict]:
     return [_message(m, f"{field}[{i}]") for i, m in enumerate(value)]
 
 
-def load_jsonl(path: str, normalize: Callable[[dict], object] = dict) -> list:
-    """One JSON object per line (blank lines allowed), each passed through normalize."""
+def _holds_chatml(value) -> bool:
+    """Whether any string inside a row is already rendered chat text (Qwen's ChatML markers)."""
+    if isinstance(value, str):
+        return "<|im_start|>" in value or "<|im_end|>" in value
+    if isinstance(value, dict):
+        return any(_holds_chatml(v) for v in value.values())
+    return isinstance(value, list) and any(_holds_chatml(v) for v in value)
+
+
+def load_jsonl(path: str, normalize: Callable[[dict], object] = dict, flag: str = "--data") -> list:
+    """One JSON object per line (blank lines allowed), each passed through normalize. flag: the flag that named
+    the file, for the error when there is none."""
     if not os.path.isfile(path):
-        raise UserError(f"{path}: no such file")
-    rows = []
+        raise UserError(f"{flag} {path}: no such file")
+    rows, wrapped = [], []  # wrapped: the lines whose text is already rendered ChatML
     with open(path, "rb") as f:  # bytes, so that bad UTF-8 is reported with its line too
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -92,10 +102,17 @@ def load_jsonl(path: str, normalize: Callable[[dict], object] = dict) -> list:
                 if not isinstance(row, dict):
                     raise ValueError(f"expected a JSON object, got {type(row).__name__}")
                 rows.append(normalize(row))
+                if _holds_chatml(row):
+                    wrapped.append(lineno)
             except ValueError as e:
                 raise UserError(f"{path}:{lineno}: {e}") from None
     if not rows:
         raise UserError(f"{path}: no rows; expected one JSON object per line")
+    if wrapped:
+        print0(f"warning: {path}:{wrapped[0]}: a message already holds ChatML (<|im_start|> or <|im_end|>), and "
+               f"{len(wrapped)} row(s) like it: nanopost renders every message as a turn of its own, so this text "
+               f"is wrapped a second time. Pass the turns as a list of messages instead (docs/real-models.md, "
+               f"data formats: TRL takes a string row as raw text, nanopost as one turn)")
     return rows
 
 
@@ -156,22 +173,32 @@ def kto_rows(row: dict) -> list[dict]:
              **_tools(row)}]
 
 
-# data sets of programs with tests ("code" also covers codecontests, code_contests, livecodebench, deepcoder)
-_CODE_SOURCES = ("code", "apps", "taco", "mbpp", "humaneval", "primeintellect")
+# verl names the reward function by the data set (verl.utils.reward_score.default_compute_score): its names,
+# matched exactly, onto our verifiers; any other data_source is an error asking for a "verifier" key, never a
+# guess by substring (a name that merely contains "math" or "code" may be anything)
+VERL_SOURCES = {"openai/gsm8k": "gsm8k", "gsm8k": "gsm8k", "lighteval/MATH": "boxed",
+                "DigitalLearningGmbH/MATH-lighteval": "boxed", "HuggingFaceH4/MATH-500": "boxed",
+                "math_dapo": "boxed", "numina_aops_forum": "boxed", "numina_synthetic_math": "boxed",
+                "numina_amc_aime": "boxed", "numina_synthetic_amc": "boxed", "numina_cn_k12": "boxed",
+                "numina_olympiads": "boxed",
+                "codecontests": "code", "apps": "code", "codeforces": "code", "taco": "code",
+                # the code sets' own names on the hub, as open-instruct and prime-rl export them
+                "codeparrot/apps": "code", "BAAI/TACO": "code", "deepmind/code_contests": "code", "mbpp": "code",
+                "openai_humaneval": "code", "livecodebench": "code",
+                "PrimeIntellect/verifiable-coding-problems": "code"}
 
 
 def _verifier_for(data_source: object) -> str:
-    """verl names the reward function by the data set: map the usual names onto our verifiers."""
-    source = str(data_source).lower()
+    """The verifier of a verl row: our verifier names, verl's data-set names (VERL_SOURCES), and verl's aime*."""
+    source = str(data_source)
     if source in VERIFIERS:
         return source
-    if "gsm8k" in source:
-        return "gsm8k"
-    if any(name in source for name in _CODE_SOURCES):
-        return "code"
-    if "math" in source:
+    if source in VERL_SOURCES:
+        return VERL_SOURCES[source]
+    if source.startswith("aime"):  # verl grades aime2024, aime2025, ... as math_dapo
         return "boxed"
-    raise ValueError(f"unknown data_source {data_source!r}; add a 'verifier' key, one of {list(VERIFIERS)}")
+    raise ValueError(f"data_source {data_source!r} is not one nanopost knows how to grade (verl's: "
+                     f"{', '.join(sorted(VERL_SOURCES))}, aime*); add a 'verifier' key, one of {list(VERIFIERS)}")
 
 
 def rl_row(row: dict) -> dict:
@@ -206,21 +233,21 @@ def rl_row(row: dict) -> dict:
     return {"prompt": prompt, "ground_truth": truth, "verifier": verifier}
 
 
-def load_sft(path: str) -> list[dict]:
-    return load_jsonl(path, sft_row)
+def load_sft(path: str, flag: str = "--data") -> list[dict]:
+    return load_jsonl(path, sft_row, flag)
 
 
-def load_preferences(path: str) -> list[dict]:
-    return load_jsonl(path, preference_row)
+def load_preferences(path: str, flag: str = "--data") -> list[dict]:
+    return load_jsonl(path, preference_row, flag)
 
 
-def load_kto(path: str) -> list[dict]:
+def load_kto(path: str, flag: str = "--data") -> list[dict]:
     """Single answers labeled good or bad, from unpaired rows or preference pairs (see kto_rows)."""
-    return [single for singles in load_jsonl(path, kto_rows) for single in singles]
+    return [single for singles in load_jsonl(path, kto_rows, flag) for single in singles]
 
 
-def load_rl(path: str) -> list[dict]:
-    return load_jsonl(path, rl_row)
+def load_rl(path: str, flag: str = "--data") -> list[dict]:
+    return load_jsonl(path, rl_row, flag)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -241,5 +268,5 @@ def rl_rows(data, eval_data, *, eval_problems, num_prompts, seed) -> tuple[list,
     training and test problems."""
     if not data:
         return rl_prompts("train", num_prompts, seed=seed), rl_prompts("test", eval_problems, seed=seed)
-    rows, eval_rows = split_heldout(load_rl(data), load_rl(eval_data) if eval_data else None)
+    rows, eval_rows = split_heldout(load_rl(data), load_rl(eval_data, "--eval-data") if eval_data else None)
     return rows, eval_rows[:eval_problems]

@@ -120,7 +120,7 @@ def decontaminate(data: str, against: str, n: int = 13, drop: str | None = None,
         raise UserError(f"--n {n}: an n-gram needs at least 1 word")
     t0 = time.time()
     train = load_jsonl(data, lambda row: (row, row_texts(row)))
-    evals = load_jsonl(against, row_texts)
+    evals = load_jsonl(against, row_texts, flag="--against")
     flagged, eval_hit = ngram_overlap([texts for _, texts in train], evals, n)
     stats = {"n": n, "rows": len(train), "flagged_rows": len(flagged), "eval_rows": len(evals),
              "eval_rows_shared": len(eval_hit)}

@@ -136,11 +136,17 @@ def add_lora_flags(parser):
                         help="comma-separated linear layers to adapt (default: every one in attention and MLP)")
 
 
-def lora_options(args, resume=False):
+def lora_options(args, resume=False, scores_samples=False):
     """The LoRA options of a run (None without --lora-rank): resume=True continues the adapter of the
-    checkpoint being loaded instead of starting fresh ones."""
+    checkpoint being loaded instead of starting fresh ones. scores_samples: the stage trains on answers its own
+    engine sampled and recomputes their log-probs (RL, PPO), where dropout would make the trainer a random
+    function unlike the sampler (the ratio is not 1 at the start): --lora-dropout is refused there, as TRL's
+    GRPO and PPO turn dropout off."""
     if not getattr(args, "lora_rank", 0):
         return None
+    if scores_samples and args.lora_dropout:
+        raise UserError(f"--lora-dropout {args.lora_dropout}: this stage scores the answers its engine sampled, and "
+                        f"dropout would make the trainer's log-probs differ from the sampler's at random; drop it")
     return {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "seed": args.seed,
             "targets": [t.strip() for t in args.lora_targets.split(",") if t.strip()], "resume": resume}
 
@@ -257,3 +263,6 @@ def save_adapter(model, path, tokenizer=None):
         json.dump(cfg, f, indent=2)
     if tokenizer is not None:
         tokenizer.save(path)
+        if model.config.head == "lm":  # the base's sampling settings pass on through the adapter (and merge.py)
+            with open(os.path.join(path, "generation_config.json"), "w") as f:
+                json.dump(tokenizer.generation_config(), f, indent=2)

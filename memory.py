@@ -24,7 +24,7 @@ import chat_rl
 import chat_rm
 import chat_sft
 from checkpoint import resolve_model_path
-from common import run_main
+from common import check_flag_ranges, run_main, train_dtype
 from data import rl_rows
 from peak_memory import GiB, QWEN3, describe, stage_estimates
 from rollout import prompt_length
@@ -45,6 +45,8 @@ def run_estimate(argv: list[str]) -> dict:
     own, rest = ap.parse_known_args(argv)
     stage = STAGES[own.stage]
     args = stage.parser.parse_args([*rest, "--init", own.init])
+    check_flag_ranges(own)
+    check_flag_ranges(args)
     init = resolve_model_path(own.init)
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     kwargs = dict(world_size=own.nproc, cuda=cuda)
@@ -53,36 +55,51 @@ def run_estimate(argv: list[str]) -> dict:
                           seed=args.seed)
         kwargs["prompt_len"] = prompt_length(Tokenizer.load(init), rows, [CALCULATOR_SCHEMA] if args.tools else None)
     est = stage.memory_estimate(args, init, **kwargs)
-    print(f"{own.stage} from {init}, {own.nproc} rank(s), {'CUDA, bf16' if cuda else 'CPU, float32'} compute: "
-          f"estimated peak memory per device {describe(est)}")
+    dtype = str(train_dtype("cpu")).removeprefix("torch.")  # CPU: the stages' choice (common.train_dtype)
+    compute = "CUDA, bf16 compute" if cuda else f"CPU, training forwards in {dtype}" + (
+        " (estimated at float32: an upper bound)" if dtype != "float32" else "")
+    print(f"{own.stage} from {init}, {own.nproc} rank(s), {compute}: estimated peak memory per device {describe(est)}")
     return est
 
 
+STAGE_NAMES = ("SFT", "DPO", "GRPO", "PPO")  # peak_memory.stage_estimates' keys
+LORA_RANK = 32
+SETUPS = {"1 GPU": dict(world_size=1, fsdp=False, lora_rank=0), "8 GPUs, --fsdp": dict(world_size=8, fsdp=True,
+                                                                                      lora_rank=0),
+          "1 GPU, LoRA 32": dict(world_size=1, fsdp=False, lora_rank=LORA_RANK)}
+
+
+def tables() -> dict:
+    """What fits where, from the estimator: {setup: {Qwen3 size: {stage: GiB per device}}} for SETUPS, and
+    "fits": {(setup, GiB of device memory): {stage: the largest Qwen3 it trains}}, 10% kept for the CUDA allocator
+    and the runtime. What `python memory.py` prints, and what docs/real-models.md and docs/lora.md quote (a test
+    holds them equal)."""
+    out = {setup: {name: {stage: e["total"] / GiB for stage, e in stage_estimates(shape, **kw).items()}
+                   for name, shape in QWEN3.items()} for setup, kw in SETUPS.items()}
+    out["fits"] = {(setup, size): {stage: max([name for name in QWEN3 if out[setup][name][stage] <= 0.9 * size],
+                                              key=list(QWEN3).index, default="-") for stage in STAGE_NAMES}
+                   for setup in SETUPS for size in (24, 80, 141)}
+    return out
+
+
 def print_tables() -> None:
-    """The README's tables of what fits where, from the estimator."""
-    print("GiB per device, one GPU (bf16 compute, float32 master weights, --grad-checkpointing):")
-    print(f"{'Qwen3':>6s}  {'params':>7s}" + "".join(f"{s:>9s}" for s in ("SFT", "DPO", "GRPO", "PPO")))
-    for name, shape in QWEN3.items():
-        est = stage_estimates(shape)
-        print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
-    print("\nGiB per device, 8 GPUs with --fsdp:")
-    for name, shape in QWEN3.items():
-        est = stage_estimates(shape, world_size=8, fsdp=True)
-        print(f"{name:>6s}  {shape.params() / 1e9:6.2f}B" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
-    rank = 32
-    print(f"\nGiB per device, one GPU, LoRA rank {rank} (bf16 frozen base, float32 adapters, --grad-checkpointing):")
-    for name, shape in QWEN3.items():
-        est = stage_estimates(shape, lora_rank=rank)
-        print(f"{name:>6s}  {shape.lora_params(rank) / 1e6:6.1f}M" + "".join(f"{e['total'] / GiB:9.1f}" for e in est.values()))
-    print("\nThe largest Qwen3 each stage trains, by this estimate (GiB of device memory):")
-    for label, gpus, fsdp, r in (("1 GPU", 1, False, 0), ("8 GPUs, --fsdp", 8, True, 0), ("1 GPU, LoRA 32", 1, False, 32)):
-        for size in (24, 80, 141):
-            fits = {stage: "-" for stage in ("SFT", "DPO", "GRPO", "PPO")}
-            for name, shape in QWEN3.items():
-                for stage, e in stage_estimates(shape, world_size=gpus, fsdp=fsdp, lora_rank=r).items():
-                    if e["total"] <= 0.9 * size * GiB:  # 10% for the CUDA allocator and the runtime
-                        fits[stage] = name
-            print(f"{label:>15s}, {size:3d} GiB:" + "".join(f"  {s} {n:>4s}" for s, n in fits.items()))
+    """The tables of what fits where (tables())."""
+    t = tables()
+    headings = {"1 GPU": "one GPU (bf16 compute, float32 master weights, --grad-checkpointing)",
+                "8 GPUs, --fsdp": "8 GPUs with --fsdp",
+                "1 GPU, LoRA 32": f"one GPU, LoRA rank {LORA_RANK} (bf16 frozen base, float32 adapters, "
+                                  f"--grad-checkpointing)"}
+    for setup, heading in headings.items():
+        lora = SETUPS[setup]["lora_rank"]
+        print(f"GiB per device, {heading}:")
+        print(f"{'Qwen3':>6s}  {'adapters' if lora else 'params':>8s}" + "".join(f"{s:>9s}" for s in STAGE_NAMES))
+        for name, shape in QWEN3.items():
+            size = f"{shape.lora_params(lora) / 1e6:6.1f}M" if lora else f"{shape.params() / 1e9:6.2f}B"
+            print(f"{name:>6s}  {size:>8s}" + "".join(f"{t[setup][name][s]:9.1f}" for s in STAGE_NAMES))
+        print()
+    print("The largest Qwen3 each stage trains, by this estimate (GiB of device memory):")
+    for (setup, size), fits in t["fits"].items():
+        print(f"{setup:>15s}, {size:3d} GiB:" + "".join(f"  {s} {n:>4s}" for s, n in fits.items()))
 
 
 def main() -> None:

@@ -224,8 +224,9 @@ def write_safetensors(path: str, specs: list[tuple], chunks):
 def merge(sources: list, weights: list[float], out: str, dtype: torch.dtype | None = None,
           chunk_elements: int = CHUNK_ELEMENTS) -> dict:
     """Write the weighted average of the sources' tensors to out/model.safetensors, with config.json,
-    generation_config.json and the tokenizer files of the first source (a folder). dtype None keeps each
-    tensor's dtype in the first source. Written to out + ".tmp" and renamed into place when complete."""
+    generation_config.json and the tokenizer files of the first source (an adapter's own, else its base's).
+    dtype None keeps each tensor's dtype in the first source. Written to out + ".tmp" and renamed into place when
+    complete."""
     if len(sources) < 2 and not any(isinstance(src, AdaptedTensors) for src in sources):
         raise UserError(f"merge needs at least 2 folders (or --lora ADAPTER), got {len(sources)}")
     if len(weights) != len(sources):
@@ -275,9 +276,11 @@ def merge(sources: list, weights: list[float], out: str, dtype: torch.dtype | No
                 config[key] = str(dtype).removeprefix("torch.")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for name in ("generation_config.json", *TOKENIZER_FILES):
-        if os.path.isfile(os.path.join(first.folder, name)):
-            shutil.copy2(os.path.join(first.folder, name), os.path.join(tmp, name))
+    for name in ("generation_config.json", *TOKENIZER_FILES):  # an adapter's own (what its run shipped), else its base's
+        found = [f for f in (getattr(first, "adapter", None), first.folder)
+                 if f and os.path.isfile(os.path.join(f, name))]
+        if found:
+            shutil.copy2(os.path.join(found[0], name), os.path.join(tmp, name))
     recipe = {"folders": [getattr(src, "adapter", src.folder) for src in sources], "weights": weights,
               "dtype": "input" if dtype is None else str(dtype).removeprefix("torch.")}
     with open(os.path.join(tmp, "merge.json"), "w") as f:

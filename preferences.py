@@ -10,13 +10,14 @@ tokenizer.render_conversation, graded where the mask is 1 after the prompt (the 
 import torch
 
 from checkpoint import reference_model
-from common import (Default, UserError, add_run_flags, all_gather_objects, all_reduce_sum, autocast, dist_info, print0,
-                    rank_passes, unwrap)
+from common import (Default, UserError, all_gather_objects, all_reduce_sum, autocast, dist_info, print0, rank_passes,
+                    unwrap)
 from engine import Engine
 from evaluation import evaluate_chat, paired_change, scores_line
 from lora import adapters_off, add_lora_flags
 from packing import IGNORE, pack_sequences, sft_example
 from rewards import Grader
+from rundir import add_run_flags
 from sampled_data import build_rows, sample_groups
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 

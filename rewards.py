@@ -29,12 +29,11 @@ from typing import Callable
 import torch
 
 import sandbox
-from checkpoint import load_config, load_hf, resolve_model_path
+from checkpoint import load_config, load_hf, load_tokenizer, resolve_model_path
 from common import UserError, autocast, compute_dtype
 from engine import Engine
 from peak_memory import Shape
 from packing import pack_sequences
-from tokenizer import Tokenizer
 
 
 def answer_text(text: str) -> str:
@@ -242,12 +241,8 @@ def last_token_values(model, seqs, pad_id, layout="right", capacity=None):
 def load_reward_model(path, device="cpu"):
     """The reward model of a model folder or an rm run directory (its latest checkpoint): frozen, in eval
     mode, in the compute dtype (a frozen model needs no float32 master weights)."""
-    path = resolve_model_path(path)
-    model = load_hf(path, device=device, dtype=compute_dtype(device))
-    if model.config.head != "scalar":
-        raise UserError(f"{path} is a language model, not a reward model (config.json is not "
-                        f"*ForSequenceClassification); train one with chat_rm.py")
-    return model.eval().requires_grad_(False)
+    path = resolve_model_path(path, flag="rm:", head="scalar")
+    return load_hf(path, device=device, dtype=compute_dtype(device)).eval().requires_grad_(False)
 
 
 @torch.no_grad()
@@ -349,11 +344,9 @@ def judge_scores(judge_model, judge_tokenizer, prompts: list, answers: list[str]
 def load_judge(path: str, device="cpu"):
     """The judge model (a chat model folder, e.g. a Qwen3 instruct download, or a run directory's latest
     checkpoint) and its tokenizer. Frozen: eval mode, no gradients, in common.compute_dtype(device)."""
-    path = resolve_model_path(path)
+    path = resolve_model_path(path, flag="judge:", head="lm")
     model = load_hf(path, device=device, dtype=compute_dtype(device))
-    if model.config.head != "lm":
-        raise UserError(f"judge: {path} is a reward model (a score head), not a chat model")
-    return model.eval().requires_grad_(False), Tokenizer.load(path)
+    return model.eval().requires_grad_(False), load_tokenizer(path, flag="judge:")
 
 
 # -----------------------------------------------------------------------------
@@ -383,7 +376,7 @@ def parse_reward(spec: str) -> list[tuple[float, str]]:
 def grader_shapes(reward_spec: str) -> list[Shape]:
     """The shapes of the models among --reward's graders (rm:PATH, judge:PATH), frozen on every rank: what
     peak_memory.estimate counts for them."""
-    return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1])))
+    return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1], flag=name.split(":", 1)[0] + ":")))
             for _, name in parse_reward(reward_spec) if ":" in name]
 
 

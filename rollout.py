@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import Default, UserError, all_reduce_dict, autocast, dist_info, idle_pass
+from common import Default, UserError, all_reduce_dict, autocast, dist_info, idle_pass, print0
 from packing import IGNORE, micro_batches
 
 
@@ -180,10 +180,16 @@ def heldout_rewards(engine, rows, grader, *, seed=0, batch_size=64, **sampling) 
     return {k: v / n for k, v in sums.items()}
 
 
-def prompts_per_rank(prompts_per_step: int, world_size: int) -> int:
-    """Each rank's share of a step's prompts; the step must split evenly."""
+def prompts_per_rank(prompts_per_step: int, world_size: int, num_prompts: int) -> int:
+    """Each rank's share of a step's prompts; the step must split evenly. A step draws its prompts with
+    replacement from the num_prompts there are: more per step than there are repeats prompts within a step,
+    which the run says."""
     if prompts_per_step % world_size:
         raise UserError(f"--prompts-per-step {prompts_per_step} must be a multiple of the number of ranks ({world_size})")
+    if prompts_per_step > num_prompts:
+        print0(f"warning: --prompts-per-step {prompts_per_step} with only {num_prompts} training prompts: every step "
+               f"draws its prompts with replacement, so each prompt comes ~{prompts_per_step / num_prompts:.1f} times "
+               f"a step; lower --prompts-per-step or add prompts")
     return prompts_per_step // world_size
 
 

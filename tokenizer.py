@@ -229,6 +229,7 @@ class Tokenizer:
     def __init__(self, tok: HFTokenizer, files: dict[str, bytes] | None = None):
         self._tok = tok
         self.files = files or {}  # the folder's tokenizer files as read (empty for a tokenizer we trained)
+        self.generation_defaults = {}  # the folder's generation_config.json, which every checkpoint passes on
         for s in ("<|im_start|>", "<|im_end|>"):  # must be single added tokens, or ChatML cannot be rendered
             if tok.token_to_id(s) is None or self.encode(s) != [tok.token_to_id(s)]:
                 raise UserError(f"tokenizer has no {s} token: nanopost renders ChatML and needs <|im_start|> "
@@ -265,7 +266,32 @@ class Tokenizer:
             names = [*TOKENIZER_FILES, *(f"additional_chat_templates/{p.name}"
                                          for p in sorted(folder.glob("additional_chat_templates/*.jinja")))]
             files = {name: (folder / name).read_bytes() for name in names if (folder / name).is_file()}
-        return cls(HFTokenizer.from_file(str(path)), files)
+        try:
+            hf = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises its own untyped errors on a malformed file
+            raise UserError(f"{path}: not a tokenizer.json the tokenizers library reads ({e})") from None
+        tok = cls(hf, files)
+        if folder is not None and (folder / "generation_config.json").is_file():
+            try:
+                tok.generation_defaults = json.loads((folder / "generation_config.json").read_text())
+            except ValueError as e:
+                raise UserError(f"{folder / 'generation_config.json'} is not valid JSON: {e}") from None
+        return tok
+
+    def generation_config(self) -> dict:
+        """generation_config.json for a model trained with this tokenizer: the --init folder's as it came (its
+        temperature, top_p, top_k, do_sample, bos_token_id: how its makers meant it to be sampled), with the
+        stop tokens the engine stops at put first in eos_token_id (<|im_end|>, where training ends every turn,
+        then <|endoftext|>) and the folder's own kept after them, so that transformers' generate() stops where
+        our engine does. A folder without one (the embedded world's): those stops, our pad id, no bos."""
+        gen = dict(self.generation_defaults)
+        theirs = gen.get("eos_token_id")
+        theirs = theirs if isinstance(theirs, list) else [] if theirs is None else [theirs]
+        ours = [self.eos_id] + sorted(self.stop_ids - {self.eos_id})
+        gen["eos_token_id"] = ours + [i for i in theirs if i not in ours]
+        gen.setdefault("pad_token_id", self.pad_id)
+        gen.setdefault("bos_token_id", None)
+        return gen
 
     def save(self, folder: str | Path, model_max_length: int = 32768) -> None:
         """The folder's files as they were read; for a tokenizer we trained, tokenizer.json +
@@ -327,6 +353,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def largest_id(self) -> int:
+        """The largest token id (ids may have holes: a model needs at least this many + 1 embedding rows)."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values())
 
     def encode(self, text: str) -> list[int]:
         """Special-token strings inside text become their ids."""
@@ -442,10 +473,13 @@ def first_difference(a: str, b: str, context: int = 40) -> tuple[str, str]:
 
 def settle_chat_template(tok: Tokenizer, rows: list[dict], choice: str = "check", tools: list[dict] | None = None
                          ) -> None:
-    """Decide which chat template the checkpoints ship (tok.save writes it). nanopost trains on its own
-    Qwen3 render (render_text); a folder whose template renders the stage's data otherwise would serve the
-    model a format it never saw. check: stop at the first conversation rendered differently; ours: ship
-    QWEN3_CHAT_TEMPLATE; theirs: keep the folder's, knowingly. A folder without a template gets ours."""
+    """Decide which chat template the checkpoints ship (tok.save writes it). The folder's template is held against
+    render_text, nanopost's Qwen3 template (QWEN3_CHAT_TEMPLATE); a folder whose template renders the stage's data
+    otherwise would serve the model a format it never saw. check: stop at the first conversation rendered
+    differently; ours: ship QWEN3_CHAT_TEMPLATE; theirs: keep the folder's, knowingly. A folder without a
+    template gets ours. What the check cannot settle, and says: training renders one thing otherwise than any
+    Qwen3 template (render_conversation): the last assistant turn of a conversation, which the template gives an
+    empty think block when it has no thinking, is trained without one (the training render is prefix-stable)."""
     theirs = tok.chat_template
     if theirs == QWEN3_CHAT_TEMPLATE:
         return
@@ -469,11 +503,13 @@ def settle_chat_template(tok: Tokenizer, rows: list[dict], choice: str = "check"
             if rendered != ours:
                 a, b = first_difference(rendered, ours)
                 raise UserError(f"the --init folder's chat template renders training row {i + 1} otherwise than "
-                                f"nanopost's Qwen3 template, which training uses (theirs: ...{a}... ours: ...{b}...): "
-                                + fix)
+                                f"nanopost's Qwen3 template, the one training renders with (theirs: ...{a}... "
+                                f"ours: ...{b}...): " + fix)
     except jinja2.exceptions.TemplateError as e:
         raise UserError(f"the --init folder's chat template fails on the training data ({e}): {fix}") from None
-    print0(f"chat template: the folder's differs from nanopost's in text but renders all {len(rows)} rows the same; kept")
+    print0(f"chat template: the folder's differs from nanopost's in text but renders all {len(rows)} rows the same; "
+           f"kept. Like every Qwen3 template it gives a last assistant turn without thinking an empty think block, "
+           f"which training leaves out (its render is prefix-stable): served whole conversations differ there")
 
 
 # -----------------------------------------------------------------------------

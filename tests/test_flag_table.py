@@ -14,16 +14,16 @@ import sys
 
 import pytest
 
-import common
 import lora
 import preferences
 import rollout
+import rundir
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ("base_train", "chat_sft", "chat_rm", "chat_dpo", "chat_kto", "chat_rl", "chat_ppo", "chat_distill",
           "chat_sample", "chat_eval", "chat_cli", "merge", "memory")
 # a row may name one of these instead of its stages: every stage whose parser holds all of the group's flags
-GROUPS = {"add_run_flags": lambda p: common.add_run_flags(p, "base"), "add_lora_flags": lora.add_lora_flags,
+GROUPS = {"add_run_flags": lambda p: rundir.add_run_flags(p, "base"), "add_lora_flags": lora.add_lora_flags,
           "add_sampling_flags": rollout.add_sampling_flags, "add_rollout_flags": rollout.add_rollout_flags,
           "add_preference_flags": lambda p: preferences.add_preference_flags(p, "dpo")}
 

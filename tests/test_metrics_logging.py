@@ -10,8 +10,9 @@ import types
 import pytest
 
 import common
-from common import DistInfo, MetricsLogger, UserError
+from common import DistInfo, UserError
 from checkpoint import save_hf
+from rundir import MetricsLogger
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

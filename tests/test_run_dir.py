@@ -3,6 +3,7 @@ its own by the next --init), --overwrite replaces them unless an input lies insi
 and step its figures measure."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -87,3 +88,70 @@ def test_rl_that_cannot_learn_says_so(tmp_path, tiny_chat):
     with open(tmp_path / "rl" / "default" / "metrics.jsonl") as f:
         rows = [row for row in map(json.loads, f) if "idle_steps" in row]
     assert [row["idle_steps"] for row in rows] == [1, 2, 3] and all(row["count/ungradable"] == 4 for row in rows)
+
+
+def test_overwrite_replaces_the_old_run_only_once_every_input_is_checked(tmp_path, tiny_chat):
+    assert run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--steps", "1", *SFT).returncode == 0
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(tiny_chat, no_tokenizer)
+    os.remove(no_tokenizer / "tokenizer.json")
+    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", str(no_tokenizer), "--steps", "1", "--overwrite", *SFT))
+    assert "tokenizer.json" in msg
+    assert checkpoints(tmp_path) == ["step_000001"]  # the old run is untouched
+    # a flag found wrong only once the model is loaded: the old run stays too
+    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--steps", "1", "--overwrite", *SFT,
+                             "--batch-size", "6", "--device-batch-size", "4"))
+    assert "--batch-size 6" in msg and checkpoints(tmp_path) == ["step_000001"]
+
+
+def test_resume_refuses_a_flag_that_changes_what_is_trained_and_says_what_else_changed(tmp_path, tiny_chat):
+    assert run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--steps", "2", *SFT).returncode == 0
+    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--steps", "3", *SFT, "--resume",
+                             "--seq-len", "256", "--seed", "5"))
+    assert "--seq-len 256 (the run's: 512)" in msg and "--seed 5 (the run's: 0)" in msg and "--run-name" in msg
+    assert checkpoints(tmp_path) == ["step_000001", "step_000002"]
+    # the schedule may change (a lower --lr rescues a diverged run), said in one line; plumbing changes silently
+    r = run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--steps", "3", *SFT, "--resume", "--lr", "5e-4",
+            "--eval-every", "7")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--resume: --lr 0.0005 (the run's: 0.001)" in r.stdout and "--resume: --steps 3 (the run's: 2)" in r.stdout
+    assert "--resume: --eval-every" not in r.stdout  # not said: the trained numbers do not depend on it
+    with open(tmp_path / "sft" / "default" / "metrics.jsonl") as f:
+        assert [row["lr"] for row in map(json.loads, f) if "lr" in row][-1] < 5e-4 + 1e-12
+
+
+def test_resume_flag_kinds_cover_every_flag_of_every_stage():
+    """Each stage flag is plumbing (changes silently on --resume), the schedule (said), or refused: a new flag
+    lands in the refused kind unless it is added to one of the other two, and neither lists a flag no stage has."""
+    import importlib
+    from rundir import RESUME_NOTED, RESUME_QUIET
+    flags = {a.dest for m in ("base_train", "chat_sft", "chat_rm", "chat_dpo", "chat_kto", "chat_rl", "chat_ppo",
+                              "chat_distill") for a in importlib.import_module(m).parser._actions}
+    assert (RESUME_QUIET | RESUME_NOTED) <= flags and not RESUME_QUIET & RESUME_NOTED
+    assert {"seq_len", "batch_size", "data", "init", "seed", "group_size", "beta", "loss"} <= flags - RESUME_QUIET \
+        - RESUME_NOTED
+
+
+@pytest.mark.slow
+def test_a_chain_of_three_lora_adapters_survives_its_first_run_going_on(tmp_path, tiny_chat):
+    lora = ["--lora-rank", "4", "--lr", "1e-3"]
+    for name, init in (("a", tiny_chat), ("b", str(tmp_path / "sft" / "a")), ("c", str(tmp_path / "sft" / "b"))):
+        r = run(tmp_path, "chat_sft.py", "--init", init, "--run-name", name, "--steps", "2", *SFT, *lora)
+        assert r.returncode == 0, r.stderr[-2000:]
+    a_base = str(tmp_path / "sft" / "a" / "checkpoints" / "step_000002")  # b's adapter names it as its base
+    # a goes on: rotation would delete the checkpoint b's adapter (and so c's) is built on
+    r = run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--run-name", "a", "--steps", "5", *SFT, *lora, "--resume")
+    assert r.returncode == 0, r.stderr[-2000:]
+    kept = sorted(os.listdir(tmp_path / "sft" / "a" / "checkpoints"))
+    assert kept == ["step_000002", "step_000004", "step_000005"] and os.path.isdir(a_base)
+    r = run(tmp_path, "chat_eval.py", "--model", str(tmp_path / "sft" / "c"), "--problems", "2", "--max-new-tokens", "4")
+    assert r.returncode == 0, r.stderr[-2000:]  # c loads: its chain c -> b -> a's step 2 -> the base is whole
+    msg = one_line_error(run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--run-name", "a", "--steps", "1", *SFT,
+                             *lora, "--overwrite"))
+    assert "step_000002" in msg and str(tmp_path / "sft" / "b") in msg and os.path.isdir(a_base)
+    # once b and c are gone nothing holds a's old checkpoint: a's next save rotates it away
+    shutil.rmtree(tmp_path / "sft" / "b")
+    shutil.rmtree(tmp_path / "sft" / "c")
+    r = run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--run-name", "a", "--steps", "6", *SFT, *lora, "--resume")
+    assert r.returncode == 0 and sorted(os.listdir(tmp_path / "sft" / "a" / "checkpoints")) == ["step_000005",
+                                                                                                "step_000006"]
