@@ -105,11 +105,16 @@ def test_ours_ships_our_template_where_the_folder_kept_its_own_and_theirs_keeps_
         {k: v for k, v in config_before.items() if k != "chat_template"}
 
 
-def test_a_template_that_differs_in_text_only_is_kept_and_a_folder_without_one_gets_ours(tok, tmp_path):
+def test_a_template_that_differs_in_text_only_is_kept_and_a_folder_without_one_gets_ours(tok, tmp_path, capsys):
     comment = "{#- edited: the same output #}\n" + QWEN3_CHAT_TEMPLATE
     src = hub_folder(tmp_path / "comment", tok, comment)
     kept = Tokenizer.load(src)
     settle_chat_template(kept, sft_conversations("train", 8), "check")
+    # the check says the one thing it does not compare: the last turn's empty think block, which training leaves out
+    assert "empty think block, which training leaves out" in capsys.readouterr().out
+    conversation = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    ids, _ = kept.render_conversation(conversation)
+    assert "<think>\n\n</think>" in hf_render(src, conversation) and "<think>" not in kept.decode(ids)
     kept.save(tmp_path / "kept")
     assert tokenizer_files(tmp_path / "kept") == tokenizer_files(src)
     bare = hub_folder(tmp_path / "bare", tok, template=None)

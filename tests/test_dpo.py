@@ -121,6 +121,17 @@ def test_completion_targets_are_exactly_the_answer_tokens(tok):
     assert [t for t in y if t != IGNORE] == answer and y[len(prompt) - 2] == IGNORE and y[len(prompt) - 1] == answer[0]
 
 
+def test_a_multi_turn_prompts_earlier_assistant_turns_are_context_not_graded(tok):
+    """A preference prompt that already holds an assistant turn (a follow-up question): only the completion is
+    graded. The training render marks every assistant turn 1; the prompt's must be 0 here, or DPO compares the
+    two answers plus a shared earlier turn, and KTO and the judge read it as part of the answer."""
+    prompt = [{"role": "user", "content": "What is 3 + 4?"}, {"role": "assistant", "content": "It is 7."},
+              {"role": "user", "content": "And 7 + 5?"}]
+    x, y = completion_example(tok, prompt, [{"role": "assistant", "content": "It is 12."}], None, 1024)
+    graded = [t for t in y if t != IGNORE]
+    assert graded == tok.encode("It is 12.") + [tok.eos_id] + tok.encode("\n")
+
+
 def test_truncation_leaves_both_answers_non_empty_and_the_prompts_identical(tok):
     rows = preference_pairs("train", 6)
     prompt_lens = [len(tok.render_for_completion(r["prompt"])) for r in rows]

@@ -384,3 +384,30 @@ def test_take_it_elsewhere_snippet_runs(tmp_path, tok, capsys):
     save_hf(model, str(tmp_path), tok)
     exec(snippet.replace(path, str(tmp_path)).replace("max_new_tokens=256", "max_new_tokens=4"), {})
     assert "What is 17 * 23?" in capsys.readouterr().out
+
+
+def test_the_input_folders_sampling_settings_survive_every_stage_and_merge(tmp_path, tok, monkeypatch):
+    """An --init folder's generation_config.json (how its makers meant it sampled) passes through a full run's
+    checkpoint, a LoRA adapter's, and merge.py's output; our stop tokens come first in eos_token_id."""
+    import chat_sft
+    import merge
+    from inprocess import run_stage
+    torch.manual_seed(0)
+    init = tmp_path / "init"
+    save_hf(GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_embd=32, n_head=2, n_kv_head=1, head_dim=16,
+                          intermediate_size=64, max_seq_len=512)), str(init), tok)
+    theirs = {"bos_token_id": tok.endoftext_id, "eos_token_id": [tok.endoftext_id, 7], "do_sample": True,
+              "temperature": 0.6, "top_p": 0.95, "top_k": 20, "transformers_version": "4.51.0"}
+    (init / "generation_config.json").write_text(json.dumps(theirs))
+    small = ["--num-train", "64", "--num-val", "2", "--eval-problems", "0", "--batch-size", "8", "--steps", "1"]
+    run_stage(monkeypatch, tmp_path, chat_sft, "--init", init, "--run-name", "full", *small)
+    run_stage(monkeypatch, tmp_path, chat_sft, "--init", init, "--run-name", "lora", "--lora-rank", "2", *small)
+    full, lora = (tmp_path / "sft" / run / "checkpoints" / "step_000001" for run in ("full", "lora"))
+    monkeypatch.setattr(sys, "argv", ["merge.py", "--lora", str(lora), "--out", str(tmp_path / "merged")])
+    merge.main()
+    for folder in (full, lora, tmp_path / "merged"):
+        gen = json.loads((folder / "generation_config.json").read_text())
+        assert {k: gen[k] for k in ("bos_token_id", "do_sample", "temperature", "top_p", "top_k")} == \
+            {"bos_token_id": tok.endoftext_id, "do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}, folder
+        assert gen["eos_token_id"] == [tok.eos_id, tok.endoftext_id, 7], folder
+    assert json.loads((full / "config.json").read_text())["bos_token_id"] == tok.endoftext_id

@@ -106,6 +106,17 @@ def test_pass_fail_truncated_and_too_long(tok):
     assert judge.prefills == [4]  # the over-long prompt was never sent
 
 
+def test_a_reply_cut_at_the_token_limit_is_no_verdict_even_when_it_ends_like_one(tok):
+    """"VERDICT: 10" cut after its "1" reads as a valid verdict, "VERDICT: 1" (0.1): a reply that hit
+    max_new_tokens holds no verdict, whatever its last line looks like."""
+    replies = {"19": "Fine.\nVERDICT: 10", "20": "VERDICT: 3"}
+    cut = len(tok.encode("Fine.\nVERDICT: 1"))
+    assert tok.decode(tok.encode(replies["19"])[:cut]).endswith("VERDICT: 1")  # digits are tokens of their own
+    scores, counts = judge_scores(ScriptedJudge(tok, replies), tok, ["How many?"] * 2, list(replies), TEN,
+                                  max_new_tokens=cut)
+    assert scores == [0.0, 0.3] and counts == {"unparseable": 1, "too_long": 0}
+
+
 def test_a_real_untrained_judge_runs_and_its_babble_scores_0(tok):
     torch.manual_seed(0)
     judge = GPT(tiny_config(tok)).eval()

@@ -34,9 +34,10 @@ def base_dir(tok, tmp_path_factory):
     return path
 
 
-def options(rank=4, alpha=8.0, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", resume=False):
+def options(rank=4, alpha=8.0, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", resume=False,
+            dropout=0.0):
     class A:
-        lora_rank, lora_alpha, lora_dropout, lora_targets, seed = rank, alpha, 0.0, targets, 0
+        lora_rank, lora_alpha, lora_dropout, lora_targets, seed = rank, alpha, dropout, targets, 0
     return lora_options(A, resume=resume)
 
 
@@ -321,11 +322,14 @@ def test_reward_model_adapter_loads_in_peft(tok, tmp_path):
         torch.testing.assert_close(load_model(str(tmp_path / "ad"), head="scalar")(x), model(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("llama", [False, True], ids=["qwen3", "llama"])
-def test_the_engine_samples_what_the_trainer_computes_with_random_adapters(tok, tmp_path, llama):
+@pytest.mark.parametrize("llama,dropout", [(False, 0.0), (True, 0.0), (False, 0.3)],
+                         ids=["qwen3", "llama", "qwen3-dropout"])
+def test_the_engine_samples_what_the_trainer_computes_with_random_adapters(tok, tmp_path, llama, dropout):
     """Adapters with a random B (not PEFT's zero start) on every layer, in the engine's fused decode step and
     in the trainer's forward, float32: the engine's log-probs of its own samples equal the trainer's. A Llama
-    shape (no QK-norm, untied head, Llama-3 rope scaling) takes other paths through both than Qwen3's."""
+    shape (no QK-norm, untied head, Llama-3 rope scaling) takes other paths through both than Qwen3's. With
+    --lora-dropout the model trains in train mode, dropout on: the engine must sample without it, the function
+    the trainer's evaluation-mode forward scores, or every sample would come from a random other model."""
     extra = dict(arch="llama", qk_norm=False, tie_word_embeddings=False,
                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 64}) if llama else {}
@@ -333,7 +337,7 @@ def test_the_engine_samples_what_the_trainer_computes_with_random_adapters(tok, 
     config = GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
                        intermediate_size=96, max_seq_len=256, **extra)
     save_hf(GPT(config), str(tmp_path / "base"), tok)
-    model = load_hf(str(tmp_path / "base"), lora=options(rank=4, alpha=8.0))
+    model = load_hf(str(tmp_path / "base"), lora=options(rank=4, alpha=8.0, dropout=dropout)).train()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for m in model.modules():
@@ -347,7 +351,10 @@ def test_the_engine_samples_what_the_trainer_computes_with_random_adapters(tok, 
         tgt = torch.full_like(ids, -100)
         tgt[0, len(p) - 1:-1] = ids[0, len(p):]
         with torch.no_grad():
-            lp = model(ids, tgt)[0, len(p) - 1:-1]
+            lp = model.eval()(ids, tgt)[0, len(p) - 1:-1]
             with adapters_off(model):
                 assert (lp - model(ids, tgt)[0, len(p) - 1:-1]).abs().max() > 1e-2  # the adapters matter
+            if dropout:  # dropout on would be another function
+                assert (lp - model.train()(ids, tgt)[0, len(p) - 1:-1]).abs().max() > 1e-2
+        model.train()
         torch.testing.assert_close(torch.tensor(o.logprobs), lp, atol=2e-4, rtol=1e-4)

@@ -130,3 +130,28 @@ def test_a_run_that_cannot_fit_is_refused_before_it_starts(monkeypatch):
         micro_batch_tokens=4096)
     with pytest.raises(UserError, match=r"needs about [\d.]+ GiB per device .* has 1.0 GiB available"):
         peak_memory.check(est, "cpu")
+
+
+def test_the_docs_memory_tables_are_what_memory_py_prints():
+    """docs/real-models.md's and docs/lora.md's tables quote `python memory.py` (memory.tables()): a change to the
+    estimator that moves a figure fails here until the pages say the same (docs/lora.md once said 19.6 GiB for
+    8B LoRA SFT, memory.py 25.2)."""
+    import memory
+    t = memory.tables()
+    stages = memory.STAGE_NAMES
+    quoted = 0
+    for page, setup_of in (("real-models.md", {", 1 GPU": "1 GPU", ", 8 GPUs `--fsdp`": "8 GPUs, --fsdp"}),
+                           ("lora.md", {"": "1 GPU, LoRA 32"})):
+        text = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", page)).read()
+        for m in re.finditer(r"^\| Qwen3-([\d.]+B)(, 1 GPU|, 8 GPUs `--fsdp`)? \| (?:[\d.]+M \| )?"
+                             r"([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", text, re.M):
+            setup = setup_of[m.group(2) or ""]
+            assert [float(v) for v in m.groups()[2:]] == [round(t[setup][m.group(1)][s], 1) for s in stages], \
+                f"docs/{page}: {m.group(0)}"
+            quoted += 1
+        for m in re.finditer(r"^\| (1 GPU|8 GPUs), (\d+) GiB(, `--fsdp`)? \| (\S+) \| (\S+) \| (\S+) \| (\S+) \|$",
+                             text, re.M):
+            setup = "8 GPUs, --fsdp" if m.group(3) else m.group(1)
+            assert list(m.groups()[3:]) == list(t["fits"][(setup, int(m.group(2)))].values()), f"docs/{page}: {m.group(0)}"
+            quoted += 1
+    assert quoted >= 15  # every table row above was read

@@ -364,7 +364,7 @@ def test_rl_loader_checks_code_rows_before_training(tmp_path):
 @pytest.mark.parametrize("source,verifier", [
     ("codeparrot/apps", "code"), ("BAAI/TACO", "code"), ("deepmind/code_contests", "code"), ("mbpp", "code"),
     ("openai_humaneval", "code"), ("livecodebench", "code"), ("PrimeIntellect/verifiable-coding-problems", "code"),
-    ("openai/gsm8k", "gsm8k"), ("lighteval/MATH", "boxed"),
+    ("openai/gsm8k", "gsm8k"), ("lighteval/MATH", "boxed"), ("aime2025", "boxed"), ("codecontests", "code"),
 ])
 def test_code_data_sources_map_to_the_code_verifier(source, verifier):
     assert _verifier_for(source) == verifier

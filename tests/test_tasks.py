@@ -271,7 +271,10 @@ BAD_LINES = [  # (loader, bad line, what the message must say)
     (load_rl, '{"prompt": "q", "verifier": "gsm8k"}', "missing key 'ground_truth'"),
     (load_rl, '{"prompt": "q", "ground_truth": "four", "verifier": "gsm8k"}', "must be a number"),
     (load_rl, '{"prompt": "q", "ground_truth": "{oops", "verifier": "json"}', "JSON list of required keys"),
-    (load_rl, '{"data_source": "my/poetry-set", "prompt": "q", "reward_model": {"ground_truth": "1"}}', "unknown data_source"),
+    (load_rl, '{"data_source": "my/poetry-set", "prompt": "q", "reward_model": {"ground_truth": "1"}}',
+     "'my/poetry-set' is not one nanopost knows"),
+    (load_rl, '{"data_source": "my-math-poems", "prompt": "q", "reward_model": {"ground_truth": "1"}}',
+     "add a 'verifier' key"),  # once graded as math because its name holds "math"
     (load_rl, '{"prompt": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], '
               '"ground_truth": "1", "verifier": "gsm8k"}', "ends with an assistant"),
 ]

@@ -99,7 +99,7 @@ def test_dpo_flags_reach_the_loss(monkeypatch, tmp_path, chat, flags):
 SHIFT = torch.tensor([0.5, 2.0])  # KTO's reference log-probs, lowered: of each answer by 0.5, of its partner by 2
 
 
-def kto_case(monkeypatch, home, chat, *flags):
+def kto_case(monkeypatch, home, chat, *flags, shift=SHIFT):
     """A KTO run whose reference log-probs sit below the starting policy's (by SHIFT), precomputed or live: the
     reference point (the partners' mean log-ratio, at least 0) is then about 2 rather than clamped at 0, and
     the answers' log-ratios are not 0 at step 1. Seed 3: good and bad answers in step 2's batch of 4."""
@@ -107,16 +107,16 @@ def kto_case(monkeypatch, home, chat, *flags):
     args = chat_kto.parser.parse_args(argv)
     start = loaded(chat)
     real = chat_kto.reference_of
-    monkeypatch.setattr(chat_kto, "reference_of", lambda *a, **k: real(*a, **k) - SHIFT)
+    monkeypatch.setattr(chat_kto, "reference_of", lambda *a, **k: real(*a, **k) - shift)
 
     def expected(model, answers, ref, *, answers_per_step, kl, **kw):
         # the reference point: the mean log-ratio of the mismatched partners over the step's answers, at least 0
-        partners = [summed_logp(model, partner)[0] - (summed_logp(start, partner)[0] - SHIFT[1].item())
+        partners = [summed_logp(model, partner)[0] - (summed_logp(start, partner)[0] - shift[1].item())
                     for _, partner, _ in answers]
         want_kl = max(0.0, sum(partners) / args.batch_size)
         total = 0.0
         for answer, _, good in answers:
-            r = summed_logp(model, answer)[0] - (summed_logp(start, answer)[0] - SHIFT[0].item())
+            r = summed_logp(model, answer)[0] - (summed_logp(start, answer)[0] - shift[0].item())
             sig = 1 / (1 + math.exp(-args.beta * ((r - want_kl) if good else (want_kl - r))))
             total += (args.desirable_weight if good else args.undesirable_weight) * (1 - sig)
         assert answers_per_step == args.batch_size == len(answers)  # one pass per step
@@ -139,6 +139,17 @@ def test_kto_flags_reach_the_loss_and_the_reference_point(monkeypatch, tmp_path,
         assert call.out[0].item() == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
     goods = [g for _, _, g in calls[1].args[1]]
     assert any(goods) and not all(goods)  # both labels in the step the weights are checked on
+
+
+def test_kto_reference_point_is_clamped_at_zero_where_it_binds(monkeypatch, tmp_path, chat):
+    """The partners' reference log-probs 2 above the policy's: their mean log-ratio is about -2, and the
+    reference point is 0, not -2 (the KTO paper and TRL clamp it; unclamped it ran to -17.6 in 12 steps)."""
+    calls = kto_case(monkeypatch, tmp_path, chat, shift=torch.tensor([0.5, -2.0]))
+    assert len(calls) == 2 and all(call.kwargs["kl"] == 0.0 for call in calls)
+    for call in calls:
+        want_kl, want_loss = call.seen
+        assert want_kl == 0.0 and call.out[0].item() == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
+    assert chat_kto.reference_point(0.8, 8) == pytest.approx(0.1) and chat_kto.reference_point(-3.2, 8) == 0.0
 
 
 PAIRS_FLAGS = [[], ["--samples", "3"], ["--temperature", "0.7"], ["--max-new-tokens", "9"], ["--num-train", "12"],
