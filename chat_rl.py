@@ -427,13 +427,14 @@ def main():
 
         # 4. log: every number summed over ranks, then divided by its global count
         s = all_reduce_dict(rollouts.stats())  # the same names on every rank: one collective
+        n_groups = all_reduce_sum(float(groups["groups"]))  # sampled, every round of dynamic sampling counted
         n_tok = max(1.0, all_reduce_sum(float(mask.sum())))
         n_tok_updates = max(1.0, all_reduce_sum(totals["tokens"]))
         metrics = {
             **rollout_metrics(s),
             "length_max": max(len(c.tokens) for c in rollouts.completions),
             "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
-            "flat_group_frac": all_reduce_sum(float(groups["flat"])) / max(1.0, all_reduce_sum(float(groups["groups"]))),
+            "flat_group_frac": all_reduce_sum(float(groups["flat"])) / max(1.0, n_groups),
             "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
             "loss": all_reduce_sum(totals["loss"]) / max(1, totals["updates"]),
             "clip_frac": all_reduce_sum(totals["clip_frac"]) / n_tok_updates,
@@ -458,7 +459,8 @@ def main():
         idle_steps = idle_steps + 1 if metrics["flat_group_frac"] == 1.0 or metrics["grad_norm"] == 0.0 else 0
         metrics["idle_steps"] = idle_steps  # consecutive steps without a gradient
         if idle_steps == IDLE_PATIENCE:
-            print0(idle_warning(idle_steps, metrics.get("count/ungradable", 0.0) / s["answers"]))
+            # the graders count every answer sampled, the resampled rounds' too: a share of those, not of the kept
+            print0(idle_warning(idle_steps, metrics.get("count/ungradable", 0.0) / max(1.0, n_groups * G)))
         # rank 0's clock decides for all, so that every rank stops at the same step
         over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget

@@ -6,6 +6,7 @@ run is refused, --resume checks the flags against the run's), opening it once ev
 another run's LoRA adapters are built on are pinned), its metrics log (MetricsLogger, metrics.jsonl) and its
 held-out figures (write_eval, eval.json).
 """
+import importlib.util
 import json
 import os
 import re
@@ -47,6 +48,9 @@ def start_run(args, stage: str, title: str):
     stops here, before any model is loaded. Nothing in the directory changes yet: the stage checks its inputs
     (model folder, tokenizer, data, flags), then calls open_run. Returns (DistInfo, the run directory)."""
     check_flag_ranges(args)
+    if args.wandb and importlib.util.find_spec("wandb") is None:  # said now, not after the models are loaded
+        raise UserError(f"--wandb {args.wandb}: the wandb package is not installed; pip install wandb (or drop "
+                        f"--wandb: metrics.jsonl has the same numbers)")
     info = init_dist(args.device, args.dist_timeout)
     seed_everything(args.seed, info.rank)
     print_config(args, title)

@@ -58,6 +58,7 @@ W_BASE = "tests/test_wiring_sft.py::test_base_train_builds_the_model_its_flags_d
 W_LORA = "tests/test_wiring_sft.py::test_lora_flags_reach_the_adapters"
 W_SAMPLE = "tests/test_wiring_sampling.py::test_sample_flags_reach_the_engine_and_the_files"
 W_MISC = "tests/test_wiring_misc.py::"
+PPO_RESUME = "tests/test_resume.py::test_ppo_resumes_its_critics_optimizer_and_its_adaptive_kl"
 
 MUTANTS = [
     # sampling
@@ -390,6 +391,79 @@ MUTANTS = [
             "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"
             "[auto-True-dtype0]"),
            "a CPU with bfloat16 units trains in float32 anyway, whatever $NANOPOST_CPU_AUTOCAST says"),
+    # trust, round three (#48): the audit's six misses, re-derived where the code moved, and this round's own
+    Mutant("ppo-resume-resets-adaptive-kl", "chat_ppo.py", 'state.get("kl_beta", args.kl_beta)', "args.kl_beta",
+           (PPO_RESUME, "tests/test_resume.py::test_killed_run_resumes_exactly[ppo]"),
+           "a resumed PPO run restarts the adaptive KL's beta from --kl-beta"),
+    Mutant("ppo-resume-fresh-critic-optimizer", "chat_ppo.py",
+           "        load_training_state(critic_ckpt, critic_opt, critic)", "        pass",
+           (PPO_RESUME, "tests/test_resume.py::test_killed_run_resumes_exactly[ppo]"),
+           "a resumed PPO run's critic starts a fresh AdamW: its moments are lost"),
+    Mutant("engine-samples-with-lora-dropout", "engine.py", 'and not (lora and lora["dropout"]):',
+           "and not (lora and False):",
+           ("tests/test_lora.py::test_the_engine_samples_what_the_trainer_computes_with_random_adapters"
+            "[qwen3-dropout]",),
+           "the engine samples through the training model with its LoRA dropout on: another function than scored"),
+    Mutant("kto-reference-point-unclamped", "chat_kto.py", "return max(0.0, partner_logratio_sum / n)",
+           "return partner_logratio_sum / n",
+           ("tests/test_wiring_dpo.py::test_kto_reference_point_is_clamped_at_zero_where_it_binds",),
+           "KTO's reference point goes negative (the paper and TRL clamp it at 0)"),
+    Mutant("preference-prompt-assistant-graded", "preferences.py", "mask = [0] * len(p) + mask[len(p):]",
+           "mask = mask", (DPO + "test_a_multi_turn_prompts_earlier_assistant_turns_are_context_not_graded",),
+           "a multi-turn preference prompt's earlier assistant turn is graded as part of the answer"),
+    Mutant("judge-reads-a-cut-reply", "rewards.py", 'if out.finish_reason == "stop" else None', "if True else None",
+           ("tests/test_judge.py::test_a_reply_cut_at_the_token_limit_is_no_verdict_even_when_it_ends_like_one",),
+           "the judge reads 'VERDICT: 1' from a reply cut out of 'VERDICT: 10' at its token limit"),
+    Mutant("per-prompt-scores-in-rank-order", "evaluation.py", "[merged[i] for i in range(len(rows))]",
+           "list(merged.values())",
+           ("tests/test_compare.py::test_per_prompt_scores_come_back_in_row_order_from_every_rank",),
+           "per-prompt scores come back rank by rank: every paired comparison pairs the wrong problems"),
+    Mutant("rm-lm-normalizer-one-rank", "chat_rm.py", "for t in p[3]) for p in step_pairs)",
+           "for t in p[3]) for p in mine)",
+           ("tests/test_wiring_rm.py::test_the_lm_normalizer_counts_the_graded_tokens_of_every_rank",),
+           "the reward model's LM loss is divided by this rank's graded tokens, not the step's"),
+    Mutant("overwrite-before-inputs-are-checked", "chat_sft.py", "    tok = load_tokenizer(init)\n",
+           '    open_run(args, out_dir, "sft")\n    tok = load_tokenizer(init)\n',
+           ("tests/test_run_dir.py::test_overwrite_replaces_the_old_run_only_once_every_input_is_checked",),
+           "--overwrite deletes the old run before the new run's tokenizer is found missing"),
+    Mutant("resume-takes-any-flag", "rundir.py", "    if refused:\n", "    if False:\n",
+           ("tests/test_run_dir.py::test_resume_refuses_a_flag_that_changes_what_is_trained_and_says_what_else_changed",
+            "tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour"
+            "[sft-resume-with-another-seq-len]"),
+           "--resume with another --seq-len or --seed continues silently, as if it were the same run"),
+    Mutant("rotation-deletes-a-pinned-base", "checkpoint.py", "if not live_dependents(old):", "if True:",
+           ("tests/test_train_base.py::test_rotation_keeps_a_checkpoint_another_runs_adapter_is_built_on",
+            "tests/test_run_dir.py::test_a_chain_of_three_lora_adapters_survives_its_first_run_going_on"),
+           "a run's rotation deletes the checkpoint another run's LoRA adapter is built on"),
+    Mutant("switch-on-when-set", "runs/qwen3.sh", 'if [ "${OVERWRITE:-0}" = 1 ]; then',
+           'if [ -n "${OVERWRITE:-}" ]; then',
+           ("tests/test_recipes.py::test_every_switch_is_on_at_1_and_off_otherwise[qwen3.sh]",),
+           "OVERWRITE=0 replaces the runs (the switch tested for being set, not for its value)"),
+    Mutant("generation-config-dropped", "tokenizer.py", "gen = dict(self.generation_defaults)", "gen = {}",
+           ("tests/test_hf.py::test_the_input_folders_sampling_settings_survive_every_stage_and_merge",),
+           "the --init folder's temperature, top-p, top-k and bos id are dropped from every checkpoint"),
+    Mutant("verl-source-by-substring", "data.py", '    if source.startswith("aime"):',
+           '    if source.startswith("aime") or "math" in source.lower():',
+           ("tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour"
+            "[rl-data-source-by-substring]",),
+           "a verl data_source holding 'math' anywhere in its name is graded as boxed math"),
+    Mutant("idle-warning-over-kept-answers", "chat_rl.py", "max(1.0, n_groups * G)", 's["answers"]',
+           ("tests/test_run_dir.py::test_rl_that_cannot_learn_says_so[resampled]",),
+           "the idle warning's share counts every resampled round over the answers kept: '400% had no answer'"),
+    Mutant("flag-ranges-unchecked", "rundir.py", "    check_flag_ranges(args)\n    if args.wandb", "    if args.wandb",
+           ("tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour[sft-negative-lr]",),
+           "--lr -1 trains (away from every answer)"),
+    Mutant("tokenizer-past-the-vocabulary", "checkpoint.py", "if tok.largest_id >= vocab:", "if False:",
+           ("tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour"
+            "[sft-tokenizer-of-another-model]",),
+           "another model's tokenizer indexes past the embedding: a traceback at the first step"),
+    Mutant("reward-model-as-policy", "checkpoint.py", 'if head == "lm" and found == "scalar":', "if False:",
+           ("tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour"
+            "[rl-init-reward-model]",),
+           "a reward model's folder given as --init fails deep in the engine with a traceback"),
+    Mutant("rl-lora-dropout-accepted", "lora.py", "if scores_samples and args.lora_dropout:", "if False:",
+           ("tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour[rl-lora-dropout]",),
+           "RL trains with LoRA dropout: its old log-probs and ratios are of a random other function"),
 ]
 
 

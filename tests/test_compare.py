@@ -96,3 +96,38 @@ def test_compare_refuses_bad_input(two_models, tmp_path):
         chat_eval.compare_runs(str(tmp_path / "nowhere"), two_models[0], problems=PROBLEMS)
     with pytest.raises(UserError, match="at least 2 problems"):
         chat_eval.compare_runs(*two_models, problems=1)
+
+
+def test_per_prompt_scores_come_back_in_row_order_from_every_rank(two_models, tok, monkeypatch):
+    """evaluate_chat(per_prompt=True) on 2 ranks: rank r grades rows r, r+2, r+4 and the lists are gathered.
+    Simulated in one process (each rank's share graded in turn, then the gather handed both): the merged list is
+    in row order, as one process gives it, not rank 0's rows then rank 1's, which would pair every paired
+    comparison's problems wrongly."""
+    import evaluation
+    from common import DistInfo
+    rows = rl_prompts("test", PROBLEMS)
+    wanted = {rows[0]["ground_truth"], rows[1]["ground_truth"]}  # rows 0 and 1 right: rank order would differ
+    monkeypatch.setattr(rewards, "verify", lambda v, answer, truth: float(truth in wanted))
+    model = load_hf(two_models[0])
+    _, alone = evaluation.evaluate_chat(model, tok, rows, max_new_tokens=4, per_prompt=True)
+    assert alone == [1, 1, 0, 0, 0, 0]
+
+    class Gathered(Exception):
+        pass
+
+    parts = {}
+    monkeypatch.setattr(evaluation, "all_reduce_dict", lambda values, keys=None: values)
+    for rank in (0, 1):  # each rank's own share, up to the gather
+        monkeypatch.setattr(evaluation, "dist_info", lambda rank=rank: DistInfo(rank, 2))
+
+        def capture(mine, rank=rank):
+            parts[rank] = mine
+            raise Gathered
+        monkeypatch.setattr(evaluation, "all_gather_objects", capture)
+        with pytest.raises(Gathered):
+            evaluation.evaluate_chat(model, tok, rows, max_new_tokens=4, per_prompt=True)
+    assert sorted(parts[0]) == [0, 2, 4] and sorted(parts[1]) == [1, 3, 5]
+    monkeypatch.setattr(evaluation, "dist_info", lambda: DistInfo(0, 2))
+    monkeypatch.setattr(evaluation, "all_gather_objects", lambda mine: [parts[0], parts[1]])
+    _, merged = evaluation.evaluate_chat(model, tok, rows, max_new_tokens=4, per_prompt=True)
+    assert merged == alone

@@ -54,9 +54,12 @@ def stage_args(stage, init):
     if stage == "rl":  # the overlong shaping gives an untrained model's answers distinct rewards
         return "chat_rl.py", common + rollout + ["--group-size", "4", "--max-resample", "1", "--overlong-buffer", "16"], \
             ["loss", "reward", "length_mean", "grad_norm"], 8, 2
+    # PPO's state beyond the actor: the adaptive KL's beta (--kl-target moves it every step) and the critic's
+    # optimizer, which trains only when returns are not all 0: an answer cut at the limit scores -1
     return "chat_ppo.py", common + rollout + ["--samples-per-prompt", "2", "--critic-init", init,
-                                              "--freeze-actor-steps", "1"], \
-        ["policy_loss", "value_loss", "reward", "length_mean"], 8, 2
+                                              "--freeze-actor-steps", "1", "--truncated-reward", "-1",
+                                              "--kl-target", "1.0", "--kl-horizon", "100"], \
+        ["policy_loss", "value_loss", "reward", "length_mean", "kl_beta", "explained_var"], 8, 2
 
 
 def command(script, args, nproc=1):
@@ -120,6 +123,9 @@ def test_killed_run_resumes_exactly(tmp_path, tiny_chat, stage):  # sft-lora-dro
     run_killed_then_resumed(command(script, args), command(script, args + ["--resume"]), home, folder, 2 * every)
     resumed = metrics_by_step(home, folder, keys)
     assert_same(reference, resumed, keys)  # every step ran (verl#5725), with identical numbers (verl#7933)
+    if stage == "ppo":  # the drill can fail: the critic trained and beta moved before the kill, and after it
+        assert all(reference[s]["value_loss"] > 1e-4 for s in reference)
+        assert len({reference[s]["kl_beta"] for s in reference}) == steps
     if stage == "rl":  # the training clock is part of the saved state: it continues, it does not restart
         clock = metrics_by_step(home, stage, ["train_seconds"])  # steps to the kill, then the resumed ones
         seconds = [clock[s]["train_seconds"] for s in sorted(clock)]
@@ -229,3 +235,24 @@ def test_a_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, tiny_c
     assert ckpts == ["step_000002", "step_000004"]  # nothing written after the NaN; the good ones intact
     weights = load_hf(os.path.join(tmp_path, "sft", "default", "checkpoints", "step_000004")).state_dict()
     assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_ppo_resumes_its_critics_optimizer_and_its_adaptive_kl(tmp_path, tiny_chat, monkeypatch):
+    """The quick tier's PPO resume: the state beyond the actor. A run of 4 steps saving every 2, then its step-4
+    checkpoints deleted and the run resumed from step 2: steps 3 and 4 again give the same value loss (the
+    critic's AdamW moments came back) and the same beta (the adaptive KL controller's, moved every step by
+    --kl-target, came back). An answer cut at the limit scores -1, so the critic has returns to learn."""
+    import chat_ppo
+    from inprocess import run_stage
+    script, args, _, _, _ = stage_args("ppo", tiny_chat)
+    args[args.index("--steps") + 1] = "4"
+    rows = run_stage(monkeypatch, tmp_path, chat_ppo, *args)
+    first = {r["step"]: r for r in rows if "value_loss" in r}
+    for folder in ("checkpoints", os.path.join("critic", "checkpoints")):
+        shutil.rmtree(tmp_path / "ppo" / "default" / folder / "step_000004")
+    rows = run_stage(monkeypatch, tmp_path, chat_ppo, *args, "--resume")
+    again = {r["step"]: r for r in rows if "value_loss" in r}  # the resumed steps' rows come last
+    assert len({first[s]["kl_beta"] for s in first}) == 4 and min(first[s]["value_loss"] for s in first) > 1e-4
+    for step in (3, 4):
+        for key in ("value_loss", "kl_beta", "policy_loss"):
+            assert math.isclose(again[step][key], first[step][key], rel_tol=1e-6, abs_tol=1e-9), (step, key)

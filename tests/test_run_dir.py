@@ -79,15 +79,18 @@ def test_a_batch_larger_than_the_data_is_an_error(tmp_path, tiny_chat):
     assert "--batch-size 8" in msg and "4 conversations" in msg
 
 
-def test_rl_that_cannot_learn_says_so(tmp_path, tiny_chat):
-    # a random model never writes "#### N": every group scores 0 alike, so no step has a gradient
+@pytest.mark.parametrize("resample", [["--no-dynamic-sampling"], ["--max-resample", "3"]], ids=["once", "resampled"])
+def test_rl_that_cannot_learn_says_so(tmp_path, tiny_chat, resample):
+    # a random model never writes "#### N": every group scores 0 alike, so no step has a gradient. Dynamic
+    # sampling then samples 4 rounds a step: the share of unreadable answers is of all 16, not of the 4 kept
     r = run(tmp_path, "chat_rl.py", "--init", tiny_chat, "--steps", "3", "--prompts-per-step", "2", "--group-size", "2",
-            "--max-new-tokens", "8", "--no-dynamic-sampling", "--eval-problems", "0", "--num-prompts", "8")
+            "--max-new-tokens", "8", "--eval-problems", "0", "--num-prompts", "8", *resample)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "3 steps in a row learned nothing" in r.stdout and "100% of the answers had no final answer" in r.stdout
     with open(tmp_path / "rl" / "default" / "metrics.jsonl") as f:
         rows = [row for row in map(json.loads, f) if "idle_steps" in row]
-    assert [row["idle_steps"] for row in rows] == [1, 2, 3] and all(row["count/ungradable"] == 4 for row in rows)
+    sampled = 4 * (1 if resample == ["--no-dynamic-sampling"] else 4)
+    assert [row["idle_steps"] for row in rows] == [1, 2, 3] and all(row["count/ungradable"] == sampled for row in rows)
 
 
 def test_overwrite_replaces_the_old_run_only_once_every_input_is_checked(tmp_path, tiny_chat):

@@ -1,13 +1,14 @@
 """Checkpoints, gradient accumulation and 2-rank DDP on real base_train.py runs (kill and resume: test_resume.py)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from checkpoint import latest_checkpoint, list_checkpoints, load_hf, resolve_model_path, save_checkpoint
+from checkpoint import latest_checkpoint, list_checkpoints, load_hf, pin_bases, resolve_model_path, save_checkpoint
 from common import UserError
 from model import GPT, GPTConfig
 
@@ -48,8 +49,24 @@ def test_checkpoints_are_atomic_and_pruned(tmp_path):
     (tmp_path / "checkpoints" / "step_000004.tmp" / "config.json").write_text("{")
     assert latest_checkpoint(str(tmp_path)).endswith("step_000003")
     assert resolve_model_path(str(tmp_path)).endswith("step_000003")
-    with pytest.raises(UserError, match="run the previous stage"):
+    with pytest.raises(UserError, match="run the stage that makes it first"):
         resolve_model_path(str(tmp_path / "nothing"))
+
+
+def test_rotation_keeps_a_checkpoint_another_runs_adapter_is_built_on(tmp_path):
+    """pin_bases marks a checkpoint as the base of a LoRA run's adapters: this run's rotation keeps it while
+    that run holds checkpoints, and lets it go once the dependent run is gone."""
+    m = GPT(GPTConfig(vocab_size=50, n_layer=1, n_embd=16, n_head=2, n_kv_head=1, head_dim=8, intermediate_size=32))
+    run, dependent = tmp_path / "a", tmp_path / "b"
+    save_checkpoint(str(run), 1, m)
+    save_checkpoint(str(dependent), 1, m)
+    pin_bases(str(run / "checkpoints" / "step_000001"), str(dependent))
+    for step in (2, 3):
+        save_checkpoint(str(run), step, m)
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]
+    shutil.rmtree(dependent)
+    save_checkpoint(str(run), 4, m)
+    assert sorted(os.listdir(run / "checkpoints")) == ["step_000003", "step_000004"]
 
 
 @pytest.mark.slow

@@ -66,3 +66,18 @@ def test_each_flag_reaches_the_loss(monkeypatch, tmp_path, chat, flags):
             torch.testing.assert_close(backed[p].args[0], loss)
     chosen, rejected = bt[-1].args
     assert (chosen + rejected).abs().min() > 1e-4  # step 2: the scores are no longer all 0, centering acts
+
+
+def test_the_lm_normalizer_counts_the_graded_tokens_of_every_rank(monkeypatch, tmp_path, chat):
+    """Run as rank 0 of 2 (start_run's DistInfo says so; no process group, so rank 0 trains its half of each
+    step alone): the LM loss's denominator is still the step's graded tokens over both ranks' pairs, more than
+    this rank's own. Counted on this rank only, two ranks would weigh the LM term twice as much as one."""
+    from common import DistInfo
+    real = chat_rm.start_run
+    monkeypatch.setattr(chat_rm, "start_run", lambda *a, **k: (DistInfo(0, 2), real(*a, **k)[1]))
+    packed = spy(monkeypatch, chat_rm, "pack_sequences")
+    lm = spy(monkeypatch, chat_rm, "lm_regularizer")
+    run_stage(monkeypatch, tmp_path, chat_rm, "--init", chat, *BASE, "--steps", "1", "--batch-size", "8")
+    graded_here = sum(int((p.out[2] != IGNORE).sum()) for p in packed)  # this rank's share of the step
+    assert lm and all(call.args[1] > graded_here for call in lm)
+    assert all(call.args[1] == lm[0].args[1] for call in lm)  # one denominator for the whole step
