@@ -17,7 +17,8 @@ K = 8 optimizer steps (AdamW, chat_rl's betas) follow chat_rl's update on that b
 steps after the first see ratios away from 1, so the clip binds. Logged per batch: the rare answer's probability,
 the entropy of the policy's answers (nats per answer), and the clip fraction (chat_rl.policy_loss's clip_frac, the
 tokens where the clip binds, averaged over the K steps, as chat_rl logs it). The control: K = 1 step per batch,
-where every ratio is 1 and eps_high cannot act (the JSON's `control`).
+where every ratio is 1 and eps_high cannot act (the JSON's `control`); and the pair at learning rates
+LR_SWEEP, smaller and larger steps (the JSON's `sweep`: when the rare answer passes 0.5, the largest clip fraction).
 
     python lab/clip_higher_exact.py           # ~30 s on 2 cores; writes docs/lab/clip_higher_exact.{json,png}
     python lab/clip_higher_exact.py --smoke   # 3 batches: what tests/test_lab_clip_higher_exact.py runs
@@ -40,17 +41,18 @@ WORLDS = {"rare": {RARE: 1.0}, "rare+common": {RARE: 1.0, COMMON: 0.5}}  # the r
 BATCHES = {"rare": 30, "rare+common": 50}
 EPS_HIGH = (0.2, 0.28)
 GROUP_SIZE, STEPS_PER_BATCH, LR = 8, 8, 3e-4
+LR_SWEEP = (1e-4, 1e-3)  # beside LR: smaller and larger steps, the clip binding less and more (the JSON's `sweep`)
 
 
 def rewards_of(table):
     return torch.tensor([table.get(name, 0.0) for name in exact.NAMES], dtype=torch.float64)
 
 
-def run(rewards, eps_high, batches, steps_per_batch):
+def run(rewards, eps_high, batches, steps_per_batch, lr=LR):
     """Per batch: the rare answer's probability, the entropy and the clip fraction of the exact update."""
     settings = stage_settings(["--eps-high", str(eps_high), "--group-size", str(GROUP_SIZE)])
     policy = exact.tiny_policy()
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     curves = {"p_rare": [], "p_common": [], "entropy": [], "clip_frac": []}
     for batch in range(batches + 1):
         old_logp = exact.token_logprobs(policy).detach()  # the snapshot that sampled this batch
@@ -76,7 +78,7 @@ def main():
     torch.set_num_threads(args.threads or 1)  # a 4,768-weight model: one thread is fastest, and the same everywhere
     lab = Lab("clip_higher_exact", args, level="exact")
     batches = {world: 3 for world in WORLDS} if args.smoke else BATCHES
-    runs, control = {}, {}
+    runs, control, sweep = {}, {}, {}
     for world, table in WORLDS.items():
         for eps in EPS_HIGH:
             r = runs.setdefault(world, {})[f"eps_high={eps}"] = run(rewards_of(table), eps, batches[world], STEPS_PER_BATCH)
@@ -87,6 +89,11 @@ def main():
         low, high = (run(rewards_of(table), eps, batches[world], 1) for eps in EPS_HIGH)
         control[world] = {"max_clip_frac": max(low["max_clip_frac"], high["max_clip_frac"]),
                           "max_p_rare_difference": max(abs(a - b) for a, b in zip(low["p_rare"], high["p_rare"]))}
+        for lr in LR_SWEEP:  # the same pair at other learning rates: when the rare answer passes 0.5, and the clip
+            for eps in EPS_HIGH:
+                r = run(rewards_of(table), eps, batches[world], STEPS_PER_BATCH, lr=lr)
+                sweep.setdefault(world, {}).setdefault(f"lr={lr:g}", {})[f"eps_high={eps}"] = {
+                    k: r[k] for k in ("batch_rare_passes_half", "max_clip_frac", "min_entropy", "min_p_rare")}
     # what the page quotes: where the rare answer is furthest ahead at 0.28, against 0.2, and by how much
     compare = {}
     for world, r in runs.items():
@@ -110,7 +117,7 @@ def main():
         ax[0].legend(fontsize=7, loc="lower right")
     lab.save({"rare": RARE, "common": COMMON, "worlds": WORLDS, "group_size": GROUP_SIZE,
               "steps_per_batch": STEPS_PER_BATCH, "lr": LR, "batches": batches, "runs": runs, "control": control,
-              "compare": compare}, fig)
+              "compare": compare, "sweep": sweep}, fig)
 
 
 if __name__ == "__main__":

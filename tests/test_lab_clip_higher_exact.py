@@ -100,3 +100,7 @@ def test_smoke_writes_the_figure_and_the_json_the_page_quotes(tmp_path):
     # one step per batch: every ratio 1, the clip never binds, and eps_high changes nothing
     assert all(c == {"max_clip_frac": 0.0, "max_p_rare_difference": 0.0} for c in data["control"].values())
     assert {"batch", "p_rare_0.2", "p_rare_0.28", "ratio"} <= set(data["compare"]["rare"])
+    for world in data["sweep"].values():  # the other learning rates, each eps_high
+        assert list(world) == ["lr=0.0001", "lr=0.001"]
+        assert all(set(r) == {"batch_rare_passes_half", "max_clip_frac", "min_entropy", "min_p_rare"}
+                   for pair in world.values() for r in pair.values())
