@@ -64,7 +64,8 @@ def run(rewards, eps_high, batches, steps_per_batch, lr=LR):
             break
         clip = 0.0
         for _ in range(steps_per_batch):
-            coef, clip_frac = expected_update(exact.token_logprobs(policy).detach(), old_logp, rewards=rewards, **settings)
+            logp = exact.token_logprobs(policy).detach()
+            coef, clip_frac = expected_update(logp, old_logp, rewards=rewards, **settings)
             exact.ascend(optimizer, policy, coef)
             clip += clip_frac / steps_per_batch
         curves["clip_frac"].append(clip)
@@ -81,10 +82,11 @@ def main():
     runs, control, sweep = {}, {}, {}
     for world, table in WORLDS.items():
         for eps in EPS_HIGH:
-            r = runs.setdefault(world, {})[f"eps_high={eps}"] = run(rewards_of(table), eps, batches[world], STEPS_PER_BATCH)
-            print(f"[clip_higher_exact] {world}, eps_high {eps}: p({RARE}) {r['p_rare'][0]:.4f} -> {r['p_rare'][-1]:.4f} "
-                  f"(past 0.5 at batch {r['batch_rare_passes_half']}), entropy min {r['min_entropy']:.3f}, clip_frac max "
-                  f"{r['max_clip_frac']:.3f}", flush=True)
+            r = run(rewards_of(table), eps, batches[world], STEPS_PER_BATCH)
+            runs.setdefault(world, {})[f"eps_high={eps}"] = r
+            print(f"[clip_higher_exact] {world}, eps_high {eps}: p({RARE}) {r['p_rare'][0]:.4f} -> "
+                  f"{r['p_rare'][-1]:.4f} (past 0.5 at batch {r['batch_rare_passes_half']}), entropy min "
+                  f"{r['min_entropy']:.3f}, clip_frac max {r['max_clip_frac']:.3f}", flush=True)
         # the control: one step per batch, every ratio 1, nothing for eps_high to act on
         low, high = (run(rewards_of(table), eps, batches[world], 1) for eps in EPS_HIGH)
         control[world] = {"max_clip_frac": max(low["max_clip_frac"], high["max_clip_frac"]),
@@ -109,7 +111,8 @@ def main():
             ax[1].plot(r["entropy"], color=f"C{i}", marker=".")
             ax[2].plot(range(1, len(r["clip_frac"]) + 1), r["clip_frac"], color=f"C{i}", marker=".")
         if world == "rare+common":
-            ax[0].plot(world_runs["eps_high=0.2"]["p_common"], color="0.5", linestyle=":", label=f"p({COMMON}), eps 0.2")
+            ax[0].plot(world_runs["eps_high=0.2"]["p_common"], color="0.5", linestyle=":",
+                       label=f"p({COMMON}), eps 0.2")
         ax[0].set(yscale="log", xlabel="batch", ylabel="probability of the answer",
                   title=f"{world}: the rare right answer")
         ax[1].set(xlabel="batch", ylabel="entropy of the answers (nats)", title=f"{world}: entropy")

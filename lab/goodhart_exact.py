@@ -61,7 +61,7 @@ def run(beta, steps):
     curves = {"step": [], "sqrt_kl": [], "gold": [], "proxy": []}
     for step in range(steps + 1):
         logp = exact.answer_logprobs(policy)
-        if step % 2 == 0 or step == steps:
+        if step % 4 == 0 or step == steps:
             curves["step"].append(step)
             for key, value in scores(logp.detach().exp(), START_PROBS).items():
                 curves[key].append(value)
@@ -97,23 +97,26 @@ def main():
                           "sqrt_kl_end": free["sqrt_kl"][-1]}}
     for name, r in list(runs.items())[1:]:
         summary[name] = {"gold_end": r["gold"][-1], "proxy_end": r["proxy"][-1], "sqrt_kl_end": r["sqrt_kl"][-1],
-                         "gold_max": max(r["gold"]), "unpenalized_gold_at_this_sqrt_kl": gold_on_path(free, r["sqrt_kl"][-1])}
+                         "gold_max": max(r["gold"]),
+                         "unpenalized_gold_at_this_sqrt_kl": gold_on_path(free, r["sqrt_kl"][-1])}
     # the closed form: where a run at each beta ends, pi*_beta ∝ start exp(proxy / beta), over a grid of beta
     grid = [0.02 * 1.1 ** k for k in range(60)]
     optimum = [{"beta": b, **scores(exact.regularized_optimum(START_PROBS.log(), PROXY, b), START_PROBS)} for b in grid]
     for name, r in list(runs.items())[1:]:
         end = scores(exact.regularized_optimum(START_PROBS.log(), PROXY, r["beta"]), START_PROBS)
         summary[name]["closed_form_gold"], summary[name]["closed_form_sqrt_kl"] = end["gold"], end["sqrt_kl"]
-    print(f"[goodhart_exact] beta 0: gold {summary['beta=0']['gold_start']:.3f} -> peak {summary['beta=0']['gold_peak']:.3f} "
-          f"at sqrt(KL) {summary['beta=0']['gold_peak_sqrt_kl']:.2f} -> {summary['beta=0']['gold_end']:.3f}; proxy "
-          f"{summary['beta=0']['proxy_start']:.3f} -> {summary['beta=0']['proxy_end']:.3f}")
+    s = summary["beta=0"]
+    print(f"[goodhart_exact] beta 0: gold {s['gold_start']:.3f} -> peak {s['gold_peak']:.3f} at sqrt(KL) "
+          f"{s['gold_peak_sqrt_kl']:.2f} -> {s['gold_end']:.3f}; proxy {s['proxy_start']:.3f} -> {s['proxy_end']:.3f}")
     for name, s in list(summary.items())[1:]:
-        print(f"[goodhart_exact] {name}: ends at sqrt(KL) {s['sqrt_kl_end']:.2f}, gold {s['gold_end']:.3f} (closed form "
-              f"{s['closed_form_gold']:.3f}); the unpenalized run had gold {s['unpenalized_gold_at_this_sqrt_kl']} there")
+        print(f"[goodhart_exact] {name}: ends at sqrt(KL) {s['sqrt_kl_end']:.2f}, gold {s['gold_end']:.3f} (closed "
+              f"form {s['closed_form_gold']:.3f}); the unpenalized run's gold there: "
+              f"{s['unpenalized_gold_at_this_sqrt_kl']:.3f}")
 
     fig, axes = figure(1, 3, width=4.6, height=3.8, layout="constrained")
     for i, (name, r) in enumerate(runs.items()):
-        style = dict(color="k" if r["beta"] == 0 else f"C{i - 1}", label=f"β = {r['beta']:g}" + (" (no penalty)" if r["beta"] == 0 else ""))
+        style = dict(color="k" if r["beta"] == 0 else f"C{i - 1}",
+                     label=f"β = {r['beta']:g}" + (" (no penalty)" if r["beta"] == 0 else ""))
         axes[0].plot(r["sqrt_kl"], r["gold"], **style)
         axes[1].plot(r["sqrt_kl"], r["proxy"], **style)
         axes[2].plot(r["step"], r["sqrt_kl"], **style)
@@ -131,8 +134,8 @@ def main():
                title="exact gradient of E[proxy] − β KL; dots: where each penalized run ends", title_fontsize=8)
     lab.save({"rare_below": RARE, "proxy_on_rare": PROXY_ON_RARE,
               "gold": dict(zip(exact.NAMES, GOLD.tolist())), "proxy": dict(zip(exact.NAMES, PROXY.tolist())),
-              "start_probs": dict(zip(exact.NAMES, START_PROBS.tolist())), "betas": list(BETAS), "steps": steps, "lr": LR,
-              "summary": summary, "runs": runs, "optimum": optimum}, fig)
+              "start_probs": dict(zip(exact.NAMES, START_PROBS.tolist())), "betas": list(BETAS), "steps": steps,
+              "lr": LR, "summary": summary, "runs": runs, "optimum": optimum}, fig)
 
 
 if __name__ == "__main__":

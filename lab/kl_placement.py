@@ -47,7 +47,7 @@ from rollout import kl_penalty  # noqa: E402
 VARIANTS = {"none": "none", "k1_reward": "k1 in the reward", "k1_loss": "k1 in the loss", "k2_loss": "k2 in the loss",
             "k3_loss": "k3 in the loss", "k2_answer": "k2 of the answer, in the loss"}
 BETA = 0.25  # pi* keeps 0.75 of its mass on the right answers (R = 1), the reference 0.11
-STEPS, LR, EVERY_LOG, CHECK_EVERY = 600, 1e-2, 5, 50  # AdamW as chat_rl's (betas 0.9, 0.95), the rate falling linearly to 0
+STEPS, LR, EVERY_LOG, CHECK_EVERY = 600, 1e-2, 5, 50  # AdamW as chat_rl's (betas 0.9, 0.95), the rate falling to 0
 
 
 def surrogate(logp, ref_logp, *, rewards, beta, kind):
@@ -88,8 +88,9 @@ def fixed_point(ref_next_logp, rewards, beta, rule):
     value = {}
     for i in sorted(range(len(exact.PREFIXES)), key=lambda i: -len(exact.PREFIXES[i])):
         prefix = exact.PREFIXES[i]
-        Q = torch.tensor([float(rewards[exact.ANSWERS.index(prefix + (x,))]) if x == exact.END or len(prefix) + 1 ==
-                          exact.MAX_LEN else value[prefix + (x,)] for x in range(len(exact.TOKENS))], dtype=torch.float64)
+        ends = [x == exact.END or len(prefix) + 1 == exact.MAX_LEN for x in range(len(exact.TOKENS))]
+        Q = torch.tensor([float(rewards[exact.ANSWERS.index(prefix + (x,))]) if ends[x] else value[prefix + (x,)]
+                          for x in range(len(exact.TOKENS))], dtype=torch.float64)
         ref = ref_next_logp[i].double().exp()
         if rule in ("optimum", "k2_loss"):
             nxt = ref * (Q / beta).exp()
@@ -179,9 +180,9 @@ def draw(data):
     names, x = exact.NAMES, range(len(exact.NAMES))
     axes[2].plot(x, data["reference"]["probs"], "s", color="0.6", label="π_ref", ms=6)
     axes[2].plot(x, data["optimum"]["probs"], "o", mfc="none", color="k", ms=9, label="π*")
-    for kind in ("k1_reward", "k2_loss", "k3_loss", "k1_loss"):
-        axes[2].plot(x, data["variants"][kind]["probs"], "x+1."[("k1_reward", "k2_loss", "k3_loss", "k1_loss").index(kind)],
-                     color=styles[kind]["color"], ms=8, label=f"{VARIANTS[kind]}, end")
+    for kind, marker in (("k1_reward", "x"), ("k2_loss", "+"), ("k3_loss", "1"), ("k1_loss", ".")):
+        axes[2].plot(x, data["variants"][kind]["probs"], marker, color=styles[kind]["color"], ms=8,
+                     label=f"{VARIANTS[kind]}, end")
     axes[2].set_xticks(list(x), names, rotation=70, fontsize=7)
     axes[2].set(yscale="log", ylim=(1e-5, 2), ylabel="probability of the answer", xlabel="answer",
                 title="where each ends (R: 1 for a end, a b end; 0.5 for a a end, b b end)")
@@ -199,7 +200,7 @@ def draw(data):
 
 
 def main():
-    args = parser("kl_placement", "KL in the reward against KL in the loss, against the closed-form optimum").parse_args()
+    args = parser("kl_placement", "KL in the reward against KL in the loss, against the optimum").parse_args()
     torch.set_num_threads(args.threads or 1)  # a 4,768-weight model: one thread is fastest, and the same everywhere
     lab = Lab("kl_placement", args, level="exact")
     steps = 20 if args.smoke else STEPS
@@ -235,9 +236,10 @@ def main():
             "k1_reward_end_cosine_to_dJ": variants["k1_reward"]["kl_terms"]["k1_reward_cosine_to_dJ"][-1]},
     }
     for kind, r in variants.items():
-        print(f"[kl_placement] {r['label']:30s} TV to pi* {r['end']['tv_to_optimum']:.4f}  KL to pi* "
-              f"{r['end']['kl_to_optimum']:.4f}  J {r['end']['J']:.4f}" +
-              (f"  TV to its fixed point {r['end']['tv_to_fixed_point']:.5f}" if "tv_to_fixed_point" in r["end"] else ""))
+        end = r["end"]
+        print(f"[kl_placement] {r['label']:30s} TV to pi* {end['tv_to_optimum']:.4f}  KL to pi* "
+              f"{end['kl_to_optimum']:.4f}  J {end['J']:.4f}" +
+              (f"  TV to its fixed point {end['tv_to_fixed_point']:.5f}" if "tv_to_fixed_point" in end else ""))
     lab.save(data, draw(data))
 
 

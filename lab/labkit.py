@@ -42,7 +42,8 @@ from speed_reference import speed_reference  # noqa: E402  (benchmarks/ is not a
 def parser(name: str, description: str) -> argparse.ArgumentParser:
     """The flags every experiment takes; an experiment adds its own below them."""
     p = argparse.ArgumentParser(prog=f"lab/{name}.py", description=description)
-    p.add_argument("--home", type=os.path.abspath, default=os.environ.get("NANOPOST_HOME", os.path.join(REPO, "out", "cpu")),
+    p.add_argument("--home", type=os.path.abspath,
+                   default=os.environ.get("NANOPOST_HOME", os.path.join(REPO, "out", "cpu")),
                    help="the $NANOPOST_HOME of a runs/cpu.sh pipeline: the checkpoints start there, the runs go there")
     p.add_argument("--out", type=os.path.abspath, default=os.path.join(REPO, "docs", "lab"),
                    help="where NAME.json and NAME.png go")
@@ -123,11 +124,11 @@ def provenance(home: str, level: str) -> dict:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     report = os.path.join(home, "report.json")
+    command = ["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)] + [shlex.quote(a) for a in sys.argv[1:]]
     return {"commit": git("rev-parse", "HEAD") or None,
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/lab")),
-            "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(), "torch": torch.__version__,
-            "command": " ".join(["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)] + [shlex.quote(a) for a in sys.argv[1:]]),
-            "level": level,
+            "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "torch": torch.__version__, "command": " ".join(command), "level": level,
             "home_report_sha256": sha256(report) if level == "model" and os.path.exists(report) else None}
 
 

@@ -35,10 +35,10 @@ import exact  # noqa: E402
 from exact_dynamics import expected_update, stage_settings  # noqa: E402
 from labkit import Lab, figure, parser  # noqa: E402
 
-AGGREGATIONS = {  # run name -> chat_rl.py's --agg
-    "GRPO (seq-mean-token-mean)": "seq-mean-token-mean",
-    "token-mean (DAPO, chat_rl's default)": "token-mean",
-    "Dr. GRPO (seq-mean-token-sum-norm)": "seq-mean-token-sum-norm",
+AGGREGATIONS = {  # run name -> (chat_rl.py's --agg, the figure's label)
+    "grpo": ("seq-mean-token-mean", "GRPO (seq-mean-token-mean)"),
+    "token_mean": ("token-mean", "token-mean (DAPO, chat_rl's default)"),
+    "dr_grpo": ("seq-mean-token-sum-norm", "Dr. GRPO (seq-mean-token-sum-norm)"),
 }
 SCALES = ("none", "group")  # the figure: none; the JSON: both
 RIGHT = (exact.REWARDS == 1.0).double()  # "a end", "a b end"
@@ -74,39 +74,45 @@ def main():
     steps = 10 if args.smoke else STEPS
     runs = {}
     for scale in SCALES:
-        for name, agg in AGGREGATIONS.items():
+        for name, (agg, label) in AGGREGATIONS.items():
             flags = ["--agg", agg, "--scale", scale, "--group-size", str(GROUP_SIZE)]
             curves = run(stage_settings(flags), steps)
-            gap = max(range(steps + 1), key=lambda s: curves["length_wrong"][s])
+            longest = max(range(steps + 1), key=lambda s: curves["length_wrong"][s])
             runs.setdefault(f"scale-{scale}", {})[name] = {
-                "flags": " ".join(flags), **(curves if scale == "none" else {}),  # the figure's curves: --scale none
+                "label": label, "flags": " ".join(flags),
+                **(curves if scale == "none" else {}),  # the figure's curves: --scale none
                 "end": {k: v[-1] for k, v in curves.items()},
-                "longest_wrong": {"step": gap, "length_wrong": curves["length_wrong"][gap],
-                                  "accuracy": curves["accuracy"][gap]}}
-            print(f"[length_bias_exact] --scale {scale} {name}: wrong answers {curves['length_wrong'][0]:.3f} -> "
+                "longest_wrong": {"step": longest, "length_wrong": curves["length_wrong"][longest],
+                                  "accuracy": curves["accuracy"][longest]}}
+            print(f"[length_bias_exact] --scale {scale} {label}: wrong answers {curves['length_wrong'][0]:.3f} -> "
                   f"{curves['length_wrong'][-1]:.3f} tokens, right {curves['length_right'][0]:.3f} -> "
-                  f"{curves['length_right'][-1]:.3f}, P(right) {curves['accuracy'][0]:.3f} -> {curves['accuracy'][-1]:.3f}")
+                  f"{curves['length_right'][-1]:.3f}, P(right) {curves['accuracy'][0]:.3f} -> "
+                  f"{curves['accuracy'][-1]:.3f}")
     main_runs = runs["scale-none"]
-    names = list(AGGREGATIONS)
-    # what the page quotes: the gap to Dr. GRPO's (the unbiased update's) wrong length, at its widest and at the end
-    gaps = {name: [a - b for a, b in zip(main_runs[name]["length_wrong"], main_runs[names[2]]["length_wrong"])]
-            for name in names[:2]}
-    summary = {name: {"widest_gap": max(gaps[name]), "widest_gap_step": gaps[name].index(max(gaps[name])),
-                      "end_gap": gaps[name][-1]} for name in names[:2]}
-    for name in names[:2]:
-        s = summary[name]["widest_gap_step"]
-        summary[name]["accuracy_at_widest_gap"] = main_runs[name]["accuracy"][s]
+    # what the page quotes: GRPO's and token-mean's wrong answers against Dr. GRPO's (the unbiased update's), where
+    # they are furthest apart and at the end; and how little the std scaling moves the ends
+    summary = {}
+    for name in ("grpo", "token_mean"):
+        gaps = [a - b for a, b in zip(main_runs[name]["length_wrong"], main_runs["dr_grpo"]["length_wrong"])]
+        s = gaps.index(max(gaps))
+        summary[name] = {"widest_gap": gaps[s], "widest_gap_step": s,
+                         "length_wrong_there": main_runs[name]["length_wrong"][s],
+                         "dr_grpo_length_wrong_there": main_runs["dr_grpo"]["length_wrong"][s],
+                         "accuracy_there": main_runs[name]["accuracy"][s], "end_gap": gaps[-1]}
+    summary["std_scaling_largest_end_change"] = max(abs(runs["scale-group"][n]["end"][k] - main_runs[n]["end"][k])
+                                                    for n in AGGREGATIONS for k in ("length_wrong", "length_right"))
 
     fig, axes = figure(1, 3, width=4.6, height=3.6, layout="constrained")
-    for i, name in enumerate(names):
+    for i, (name, (_, label)) in enumerate(AGGREGATIONS.items()):
         for ax, key in zip(axes, ("length_wrong", "length_right", "accuracy")):
-            ax.plot(range(steps + 1), main_runs[name][key], color=f"C{i}", label=name)
-    axes[0].set(xlabel="optimizer step", ylabel="E[length | wrong] (tokens)", title="the wrong answers' expected length")
-    axes[1].set(xlabel="optimizer step", ylabel="E[length | right] (tokens)", title="the right answers' expected length")
+            ax.plot(range(steps + 1), main_runs[name][key], color=f"C{i}", label=label)
+    axes[0].set(xlabel="optimizer step", ylabel="E[length | wrong] (tokens)", title="the wrong answers' length")
+    axes[1].set(xlabel="optimizer step", ylabel="E[length | right] (tokens)", title="the right answers' length")
     axes[2].set(xlabel="optimizer step", ylabel="P(right answer)", title="accuracy")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside upper center", ncol=3, fontsize=8,
-               title=f"expected update over groups of G = {GROUP_SIZE}, advantages R - mean (--scale none)", title_fontsize=8)
+               title=f"expected update over groups of G = {GROUP_SIZE}, advantages R - mean (--scale none)",
+               title_fontsize=8)
     lab.save({"right_answers": [n for n, r in zip(exact.NAMES, RIGHT) if r], "group_size": GROUP_SIZE, "steps": steps,
               "lr": LR, "start": lengths(exact.answer_probs(exact.tiny_policy()).detach()),
               "summary": summary, "runs": runs}, fig)

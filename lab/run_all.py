@@ -43,7 +43,8 @@ def main():
     p.add_argument("--only", nargs="+", choices=list(EXPERIMENTS), metavar="NAME", help="these experiments only")
     p.add_argument("--exact-only", action="store_true", help="the exact-level experiments only (no checkpoint)")
     p.add_argument("--smoke", action="store_true", help="each at its smallest size (a check that all of them run)")
-    p.add_argument("--home", type=os.path.abspath, default=os.environ.get("NANOPOST_HOME", os.path.join(REPO, "out", "cpu")),
+    p.add_argument("--home", type=os.path.abspath,
+                   default=os.environ.get("NANOPOST_HOME", os.path.join(REPO, "out", "cpu")),
                    help="the $NANOPOST_HOME of runs/cpu.sh, whose checkpoints the model-level experiments start from")
     p.add_argument("--out", type=os.path.abspath, default=DOCS, help="where the JSONs and figures go")
     args = p.parse_args()

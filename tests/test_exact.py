@@ -284,7 +284,7 @@ def test_prefixes_and_next_token_tables():
     assert exact.PREFIX_OF[exact.NAMES.index("a b end")].tolist() == [0, 1, 4]
     uniform = torch.full((7, 3), math.log(1 / 3), dtype=torch.float64)
     p = exact.answer_logprobs_from(uniform).exp()
-    assert p[0].item() == pytest.approx(1 / 3) and p[1].item() == pytest.approx(1 / 9) and p[7].item() == pytest.approx(1 / 27)
+    assert [p[0].item(), p[1].item(), p[7].item()] == pytest.approx([1 / 3, 1 / 9, 1 / 27])
     assert p.sum().item() == pytest.approx(1.0)
     table = torch.log_softmax(torch.randn(7, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64), -1)
     token_logp = table[exact.PREFIX_OF, EVERY.targets.clamp(min=0)] * EVERY.mask

@@ -52,17 +52,19 @@ def test_one_off_policy_step_against_the_hand_values(eps_high, a_end, clip_frac)
             "a a a": -2 / 27 * 23 / 810}
     for name, value in hand.items():
         row = exact.NAMES.index(name)
-        assert coef[row, :exact.LENGTHS[row]].tolist() == pytest.approx([value] * int(exact.LENGTHS[row]), rel=1e-5), name  # the std's eps 1e-6
+        n = int(exact.LENGTHS[row])
+        assert coef[row, :n].tolist() == pytest.approx([value] * n, rel=1e-5), name  # rel: the std's eps 1e-6
     assert got_clip == pytest.approx(clip_frac, rel=1e-6)
 
 
 def test_the_clip_fraction_is_the_one_over_every_group():
-    """exact_dynamics' clip fraction (each answer alone, per sign, weighed by its rate) against a sum over all 15^3 groups of G = 3, each
-    group's clipped tokens counted by chat_rl.policy_loss itself: E[clipped] / E[tokens], off-policy."""
+    """exact_dynamics' clip fraction (each answer alone, per sign, weighed by its rate) against a sum over all 15^3
+    groups of G = 3, each group's clipped tokens counted by chat_rl.policy_loss itself: E[clipped] / E[tokens],
+    off-policy."""
     policy = exact.tiny_policy()
     old_logp = exact.token_logprobs(exact.perturbed(policy, 0.3)).detach()
     logp = exact.token_logprobs(policy).detach()
-    rewards = torch.tensor([clip_higher_exact.WORLDS["rare+common"].get(n, 0.0) for n in exact.NAMES], dtype=torch.float64)
+    rewards = clip_higher_exact.rewards_of(clip_higher_exact.WORLDS["rare+common"])
     settings = stage_settings(["--eps-high", "0.2", "--group-size", "3"])
     _, clip_frac = expected_update(logp, old_logp, rewards=rewards, **settings)
     p = old_logp.sum(-1).exp()

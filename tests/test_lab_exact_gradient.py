@@ -29,8 +29,8 @@ def world():
 @pytest.mark.parametrize("snapshot,G,names", [("fresh", 2, list(exact_gradient.VARIANTS)), ("fresh", 3, ["CISPO"]),
                                               ("stale", 2, list(exact_gradient.VARIANTS)), ("stale", 3, ["CISPO", "GSPO"])])
 def test_closed_form_expectation_equals_the_sum_over_every_group(world, snapshot, G, names):
-    """exact_dynamics.expected_update (a sum over the counts of the other G - 1 answers) against expected_estimate (a sum
-    over all 15^G groups through chat_rl's loss): the same vector. G = 3 takes the token-mean normalizer
+    """exact_dynamics.expected_update (a sum over the counts of the other G - 1 answers) against expected_estimate
+    (a sum over all 15^G groups through chat_rl's loss): the same vector. G = 3 takes the token-mean normalizer
     (CISPO), where the others' lengths matter, and GSPO's sequence ratio."""
     policy, stale, jac = world
     old = policy if snapshot == "fresh" else stale

@@ -74,8 +74,8 @@ def test_without_matplotlib_every_lab_script_stops_at_once_saying_what_to_instal
     run" instead) or runs anything (no subprocess, nothing written). Run in this process, as `python lab/NAME.py`."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail(f"{name} ran {a[0]} before the check"))
-    monkeypatch.setattr(sys, "argv", [f"lab/{name}.py", "--home", str(tmp_path / "empty"), "--out", str(tmp_path / "out"),
-                                      "--smoke"])  # (--smoke: should the check be missing, the exact ones run small)
+    monkeypatch.setattr(sys, "argv", [f"lab/{name}.py", "--home", str(tmp_path / "empty"),
+                                      "--out", str(tmp_path / "out"), "--smoke"])  # (--smoke: should the check be missing, the exact ones run small)
     with pytest.raises(SystemExit) as stop:
         runpy.run_path(os.path.join(REPO, "lab", f"{name}.py"), run_name="__main__")
     assert stop.value.code == labkit.MATPLOTLIB_MISSING
@@ -86,7 +86,7 @@ def test_without_matplotlib_the_command_prints_one_line(tmp_path):
     """The same from the shell: a matplotlib that fails to import ahead on the path; exit status 1, one line."""
     fake = tmp_path / "fake" / "matplotlib"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError('No module named matplotlib', name='matplotlib')\n")
     r = subprocess.run([sys.executable, os.path.join(REPO, "lab", "goodhart.py"), "--home", str(tmp_path / "empty")],
                        env={**os.environ, "PYTHONPATH": str(tmp_path / "fake")}, capture_output=True, text=True,
                        timeout=120)

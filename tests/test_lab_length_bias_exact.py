@@ -34,8 +34,9 @@ UNIFORM = torch.full((15, exact.MAX_LEN), math.log(1 / 3), dtype=torch.float64) 
 BY_HAND = {
     "seq-mean-token-mean": [-2 / 81, 23 / 972, -1 / 243, 23 / 4374, -2 / 2187],
     "seq-mean-token-sum-norm": [-2 / 243, 23 / 1458, -2 / 729, 23 / 4374, -2 / 2187],
-    # end: (1/3) (-(1/9)/3 - (1/27)/4); a end: (1/9) ((1/3)/3 + (1/9)/4 + (11/27)/5); b end: (1/9) (-(1/9)/4 - (1/27)/5);
-    # a b end: (1/27) ((1/3)/4 + (1/9)/5 + (11/27)/6); a a a: (1/27) (-(1/9)/5 - (1/27)/6)
+    # end: (1/3) (-(1/9)/3 - (1/27)/4); a end: (1/9) ((1/3)/3 + (1/9)/4 + (11/27)/5);
+    # b end: (1/9) (-(1/9)/4 - (1/27)/5); a b end: (1/27) ((1/3)/4 + (1/9)/5 + (11/27)/6);
+    # a a a: (1/27) (-(1/9)/5 - (1/27)/6)
     "token-mean": [-5 / 324, 119 / 4860, -19 / 4860, 281 / 43740, -23 / 21870],
 }
 
@@ -46,7 +47,8 @@ def test_one_step_of_the_exact_update_against_the_hand_values(agg):
     coef, clip_frac = expected_update(UNIFORM, UNIFORM, rewards=length_bias_exact.RIGHT, **settings)
     for name, value in zip(("end", "a end", "b end", "a b end", "a a a"), BY_HAND[agg]):
         row = exact.NAMES.index(name)
-        assert coef[row, :exact.LENGTHS[row]].tolist() == pytest.approx([value] * int(exact.LENGTHS[row]), rel=1e-6), name
+        n = int(exact.LENGTHS[row])
+        assert coef[row, :n].tolist() == pytest.approx([value] * n, rel=1e-6), name
     assert clip_frac == 0.0  # on-policy: every ratio is 1
 
 
@@ -70,6 +72,7 @@ def test_smoke_writes_the_figure_and_the_json_the_page_quotes(tmp_path):
         assert run["length_wrong"][0] == pytest.approx(data["start"]["length_wrong"])
     for run in data["runs"]["scale-group"].values():
         assert {"end", "longest_wrong"} <= set(run) and "length_wrong" not in run
-    assert set(data["summary"]) == set(list(length_bias_exact.AGGREGATIONS)[:2])
-    assert {"widest_gap", "widest_gap_step", "end_gap", "accuracy_at_widest_gap"} <= set(
-        next(iter(data["summary"].values())))
+    assert list(data["runs"]["scale-none"]) == ["grpo", "token_mean", "dr_grpo"]
+    assert set(data["summary"]) == {"grpo", "token_mean", "std_scaling_largest_end_change"}
+    assert {"widest_gap", "widest_gap_step", "length_wrong_there", "dr_grpo_length_wrong_there", "accuracy_there",
+            "end_gap"} <= set(data["summary"]["grpo"])
