@@ -99,6 +99,7 @@ def main():
                          "length_wrong_there": main_runs[name]["length_wrong"][s],
                          "dr_grpo_length_wrong_there": main_runs["dr_grpo"]["length_wrong"][s],
                          "accuracy_there": main_runs[name]["accuracy"][s], "end_gap": gaps[-1]}
+    summary["dr_grpo_lowest_wrong"] = min(main_runs["dr_grpo"]["length_wrong"])  # before it turns up
     summary["std_scaling_largest_end_change"] = max(abs(runs["scale-group"][n]["end"][k] - main_runs[n]["end"][k])
                                                     for n in AGGREGATIONS for k in ("length_wrong", "length_right"))
 

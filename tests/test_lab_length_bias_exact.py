@@ -73,6 +73,6 @@ def test_smoke_writes_the_figure_and_the_json_the_page_quotes(tmp_path):
     for run in data["runs"]["scale-group"].values():
         assert {"end", "longest_wrong"} <= set(run) and "length_wrong" not in run
     assert list(data["runs"]["scale-none"]) == ["grpo", "token_mean", "dr_grpo"]
-    assert set(data["summary"]) == {"grpo", "token_mean", "std_scaling_largest_end_change"}
+    assert set(data["summary"]) == {"grpo", "token_mean", "dr_grpo_lowest_wrong", "std_scaling_largest_end_change"}
     assert {"widest_gap", "widest_gap_step", "length_wrong_there", "dr_grpo_length_wrong_there", "accuracy_there",
             "end_gap"} <= set(data["summary"]["grpo"])
