@@ -70,8 +70,11 @@ def run(rewards, eps_high, batches, steps_per_batch, lr=LR):
             clip += clip_frac / steps_per_batch
         curves["clip_frac"].append(clip)
     first_half = next((b for b, x in enumerate(curves["p_rare"]) if x > 0.5), None)
+    lowest = curves["entropy"].index(min(curves["entropy"]))
     return {**curves, "batch_rare_passes_half": first_half, "max_clip_frac": max(curves["clip_frac"]),
-            "min_entropy": min(curves["entropy"]), "min_p_rare": min(curves["p_rare"])}
+            "min_entropy": min(curves["entropy"]), "max_entropy": max(curves["entropy"]),
+            "min_entropy_batch": lowest, "max_entropy_after_min": max(curves["entropy"][lowest:]),
+            "min_p_rare": min(curves["p_rare"]), "max_p_common": max(curves["p_common"])}
 
 
 def main():

@@ -99,16 +99,19 @@ def main():
         summary[name] = {"gold_end": r["gold"][-1], "proxy_end": r["proxy"][-1], "sqrt_kl_end": r["sqrt_kl"][-1],
                          "gold_max": max(r["gold"]),
                          "unpenalized_gold_at_this_sqrt_kl": gold_on_path(free, r["sqrt_kl"][-1])}
+    summary["largest_gold_gap_to_unpenalized"] = max((abs(s["gold_end"] - s["unpenalized_gold_at_this_sqrt_kl"])
+                                                      for s in list(summary.values())[1:]
+                                                      if s["unpenalized_gold_at_this_sqrt_kl"] is not None), default=None)
     # the closed form: where a run at each beta ends, pi*_beta ∝ start exp(proxy / beta), over a grid of beta
     grid = [0.02 * 1.1 ** k for k in range(60)]
     optimum = [{"beta": b, **scores(exact.regularized_optimum(START_PROBS.log(), PROXY, b), START_PROBS)} for b in grid]
-    for name, r in list(runs.items())[1:]:
+    for name, r in list(runs.items())[1:]:  # where the closed form says each run ends
         end = scores(exact.regularized_optimum(START_PROBS.log(), PROXY, r["beta"]), START_PROBS)
         summary[name]["closed_form_gold"], summary[name]["closed_form_sqrt_kl"] = end["gold"], end["sqrt_kl"]
     s = summary["beta=0"]
     print(f"[goodhart_exact] beta 0: gold {s['gold_start']:.3f} -> peak {s['gold_peak']:.3f} at sqrt(KL) "
           f"{s['gold_peak_sqrt_kl']:.2f} -> {s['gold_end']:.3f}; proxy {s['proxy_start']:.3f} -> {s['proxy_end']:.3f}")
-    for name, s in list(summary.items())[1:]:
+    for name, s in list(summary.items())[1:len(BETAS)]:
         print(f"[goodhart_exact] {name}: ends at sqrt(KL) {s['sqrt_kl_end']:.2f}, gold {s['gold_end']:.3f} (closed "
               f"form {s['closed_form_gold']:.3f}); the unpenalized run's gold there: "
               f"{s['unpenalized_gold_at_this_sqrt_kl']:.3f}")

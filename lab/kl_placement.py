@@ -111,9 +111,10 @@ def fixed_point(ref_next_logp, rewards, beta, rule):
 
 
 def kl_between(p, q):
-    """KL(p || q) of two distributions over the answers, in nats."""
+    """KL(p || q) of two distributions over the answers, in nats (at least 0: rounding can make an equal pair's
+    -1e-8)."""
     p, q = p.double(), q.double()
-    return float((torch.xlogy(p, p) - torch.xlogy(p, q)).sum())
+    return max(0.0, float((torch.xlogy(p, p) - torch.xlogy(p, q)).sum()))
 
 
 def kl_terms(policy, ref_logp):

@@ -217,15 +217,17 @@ def figure(rows: int = 1, cols: int = 1, width: float = 5.0, height: float = 3.6
 # list indices, "/" between), rounded as written.
 
 PAGE_MARK = re.compile(r"<!--json (?P<json>[\w.-]+\.json)-->|"
-                       r"(?P<number>[-−]?\d[\d,]*(?:\.\d+)?(?:e[-+−]?\d+)?)<!--=(?P<path>[^>]*)-->")
+                       r"(?P<number>[-−]?\d[\d,]*(?:\.\d+)?(?:e[-+−]?\d+)?%?)<!--=(?P<path>[^>]*)-->")
 
 
 def format_like(value, written: str) -> str:
-    """`value` written as `written` is: its decimals, scientific notation, thousands commas, minus sign.
+    """`value` written as `written` is: its decimals, scientific notation, thousands commas, minus sign, percent.
     Examples: 0.43719 like "0.44" -> "0.44"; 1191.6 like "1,000" -> "1,192"; 0.001834 like "2.0e-3" -> "1.8e-3";
-    -0.25 like "−0.10" -> "−0.25"."""
+    -0.25 like "−0.10" -> "−0.25"; 0.0621 like "5.0%" -> "6.2%"."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{value!r} is not a number")
+    if written.endswith("%"):
+        return format_like(100 * value, written[:-1]) + "%"
     mantissa = written.replace("−", "-").split("e")[0]
     decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
     if "e" in written:
@@ -250,6 +252,9 @@ def page_numbers(page: str) -> list:
     with open(page) as f:
         text = f.read()
     found, source, cache = [], None, {}
+    orphans = len(re.findall(r"<!--=", text)) - len([m for m in PAGE_MARK.finditer(text) if m["number"]])
+    if orphans:
+        raise ValueError(f"{page}: {orphans} mark(s) <!--=PATH--> not right after a number")
     for m in PAGE_MARK.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         if m["json"]:

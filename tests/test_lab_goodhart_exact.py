@@ -62,4 +62,5 @@ def test_smoke_writes_the_figure_and_the_json_the_page_quotes(tmp_path):
         assert r["step"][0] == 0 and r["sqrt_kl"][0] == 0.0 and len(r["gold"]) == len(r["proxy"]) == len(r["step"])
     assert {"gold_peak", "gold_peak_sqrt_kl", "gold_end", "proxy_start", "proxy_end"} <= set(data["summary"]["beta=0"])
     assert {"closed_form_gold", "unpenalized_gold_at_this_sqrt_kl"} <= set(data["summary"]["beta=0.2"])
+    assert "largest_gold_gap_to_unpenalized" in data["summary"]
     assert len(data["optimum"]) == 60 and data["provenance"]["level"] == "exact"
