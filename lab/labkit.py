@@ -114,8 +114,8 @@ def sha256(path: str) -> str:
 
 
 def provenance(home: str, level: str) -> dict:
-    """Where a record came from: the commit (and whether tracked files other than the lab's outputs differed
-    from it), the CPU, the command, and for a model-level experiment the sha256 of the report.json of the home
+    """Where a record came from: the commit (and whether tracked files other than the documentation, the lab's
+    outputs among it, differed from it), the CPU, the command, and for a model-level experiment the sha256 of the report.json of the home
     whose checkpoints it started from (None where the home has none)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
@@ -126,7 +126,7 @@ def provenance(home: str, level: str) -> dict:
     report = os.path.join(home, "report.json")
     command = ["python", os.path.relpath(os.path.abspath(sys.argv[0]), REPO)] + [shlex.quote(a) for a in sys.argv[1:]]
     return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/lab")),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs", ":!*.md")),
             "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
             "torch": torch.__version__, "command": " ".join(command), "level": level,
             "home_report_sha256": sha256(report) if level == "model" and os.path.exists(report) else None}
