@@ -44,7 +44,7 @@ def test_the_json_records_provenance_and_no_absolute_path(tmp_path):
     (home / "report.json").write_text('{"sft": {"pass@1": 0.5}}\n')
     data = saved(tmp_path, "model", home)
     prov = data["provenance"]
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or None
     assert prov["commit"] == head and isinstance(prov["dirty"], bool) and prov["cpu"] and prov["level"] == "model"
     assert prov["home_report_sha256"] == hashlib.sha256((home / "report.json").read_bytes()).hexdigest()
     assert data["commands"][0]["command"] == "python $NANOPOST_HOME/stage.py --init $NANOPOST_HOME/sft/default"
