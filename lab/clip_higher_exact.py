@@ -120,7 +120,8 @@ def main():
                   title=f"{world}: the rare right answer")
         ax[1].set(xlabel="batch", ylabel="entropy of the answers (nats)", title=f"{world}: entropy")
         ax[2].set(xlabel="batch", ylabel="clip fraction (share of tokens)", title=f"{world}: where the clip binds")
-        ax[0].legend(fontsize=7, loc="lower right" if world == "rare" else "center left")  # clear of the curves
+        ax[0].legend(fontsize=7, **(dict(loc="lower right") if world == "rare" else  # clear of the curves
+                                    dict(loc="upper left", bbox_to_anchor=(0.0, 0.82))))
     lab.save({"rare": RARE, "common": COMMON, "worlds": WORLDS, "group_size": GROUP_SIZE,
               "steps_per_batch": STEPS_PER_BATCH, "lr": LR, "batches": batches, "runs": runs, "control": control,
               "compare": compare, "sweep": sweep}, fig)
