@@ -29,6 +29,12 @@ logprob_jacobian gives every answer token's log-prob gradient at once, so that t
 loss on a batch is a product, not a backward pass through the model; group_distribution lists the ways the
 other G - 1 answers of a group can fall, for expectations over groups larger than brute force allows.
 
+The lab's exact level follows expected updates for hundreds of steps (lab/*_exact.py, lab/kl_placement.py):
+`ascend` takes one optimizer step along an expected update given as coefficients on every answer token's
+log-prob; PREFIXES and next_token_logprobs view the answers as the tree they are (7 prefixes, a choice of 3
+tokens at each), for closed forms that act prefix by prefix; regularized_optimum is the closed-form maximizer
+of E[R] - beta KL(pi || reference); total_variation and entropy measure answer distributions.
+
 This file imports only torch and model.py.
 """
 import copy
@@ -185,3 +191,57 @@ def group_distribution(class_probs: torch.Tensor, n: int) -> tuple[torch.Tensor,
     c = counts.double()
     log_prob = math.lgamma(n + 1) - torch.lgamma(c + 1).sum(-1) + torch.xlogy(c, class_probs.double()).sum(-1)
     return counts, log_prob.exp()
+
+
+def ascend(optimizer, model: GPT, coef: torch.Tensor) -> None:
+    """One optimizer step along sum over answers y and tokens t of coef[y, t] * d log p(token t of y): an
+    expected update whose coefficients on every answer token's log-prob (15, MAX_LEN) are known. The
+    REINFORCE update of a reward table R, for one, is coef[y, t] = p(y) R(y) on every token of y, whose sum is
+    exactly the gradient of J (sum_t d log p(token t) = d log p(y))."""
+    optimizer.zero_grad()
+    (-(coef.detach() * token_logprobs(model)).sum()).backward()  # minus: optimizers descend
+    optimizer.step()
+
+
+# ------------------------------------------------------------------------------------------------
+# The answers as a tree: 7 prefixes, at each a choice among the 3 tokens
+
+# every prefix after which a token is chosen: (), a, b, a a, a b, b a, b b
+PREFIXES = [tuple(prefix) for n in range(MAX_LEN) for prefix in itertools.product((A, B), repeat=n)]
+# PREFIX_OF[y, t]: the index in PREFIXES of the prefix that token t of answer y follows (0 off the mask)
+PREFIX_OF = torch.tensor([[PREFIXES.index(y[:t]) if t < len(y) else 0 for t in range(MAX_LEN)] for y in ANSWERS])
+
+
+def next_token_logprobs(token_logp: torch.Tensor) -> torch.Tensor:
+    """(7, 3): log p(token | prefix) for every prefix and token, read off the token log-probs of every answer
+    (15, MAX_LEN), as token_logprobs gives them: each (prefix, token) pair is a token of some answer."""
+    table = torch.zeros(len(PREFIXES), len(TOKENS), dtype=token_logp.dtype)
+    on = EVERY.mask.bool()
+    table[PREFIX_OF[on], EVERY.targets[on]] = token_logp[on]
+    return table
+
+
+def answer_logprobs_from(next_logp: torch.Tensor) -> torch.Tensor:
+    """(15,) log p(y) of every answer from next-token log-probs (7, 3): the sum along the answer's path.
+    Example: uniform next tokens (log 1/3 everywhere) give p("end") = 1/3, p("a end") = 1/9, p("a a a") = 1/27."""
+    return (next_logp[PREFIX_OF, EVERY.targets.clamp(min=0)] * EVERY.mask).sum(-1)
+
+
+def regularized_optimum(reference_logp: torch.Tensor, rewards: torch.Tensor, beta: float) -> torch.Tensor:
+    """(15,) the distribution over answers that maximizes E_pi[R] - beta KL(pi || reference), in closed form:
+    pi*(y) = pi_ref(y) exp(R(y) / beta) / Z (the KL-regularized optimum; e.g. DPO, arXiv:2305.18290, eq. 4).
+    reference_logp: (15,) log pi_ref(y). Example: pi_ref (0.5, 0.5), R (1, 0), beta 0.5: pi* = (e^2, 1) / (e^2 + 1)
+    = (0.881, 0.119); as beta -> 0 all mass goes to the best answers, as beta -> infinity pi* -> pi_ref."""
+    return torch.softmax(reference_logp.double() + rewards.double() / beta, 0)
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
+    """Half the L1 distance between two distributions over answers: the most probability any set of answers
+    has under one and not the other (0: equal, 1: disjoint)."""
+    return 0.5 * float((p.double() - q.double()).abs().sum())
+
+
+def entropy(p: torch.Tensor) -> float:
+    """-sum p log p of a distribution over answers, in nats (0 log 0 = 0)."""
+    p = p.double()
+    return float(-torch.xlogy(p, p).sum())

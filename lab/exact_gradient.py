@@ -8,8 +8,8 @@ prompt; each batch is one group of G answers, sampled from the snapshot; each es
 chat_rl.py hands the optimizer, minus d loss / d parameters, with chat_rl.group_advantages and
 chat_rl.policy_loss called as the stage calls them, on the settings that chat_rl.py's own parser and
 update_settings make of each variant's flags (VARIANTS). For each variant and group size:
-  - its exact expectation over groups (exact_expectation: a sum over the ways the other G - 1 answers of a
-    group can fall, never a sample), compared with dJ: the cosine, and the norm ratio |E g| / |dJ|;
+  - its exact expectation over groups (exact_dynamics.expected_update: a sum over the ways the other G - 1
+    answers of a group can fall, never a sample), compared with dJ: the cosine, and the norm ratio |E g| / |dJ|;
   - the average of BATCHES sampled estimates (the same groups for every variant), which must agree with the
     variant's own exact expectation to within sampling error (`agreement`: |mean - E g|^2 over its expected
     size, trace(Cov) / BATCHES, ~1);
@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 import chat_rl  # noqa: E402
 import exact  # noqa: E402
+from exact_dynamics import expected_update, stage_settings  # noqa: E402
 from labkit import Lab, figure, parser  # noqa: E402
 
 VARIANTS = {  # name: chat_rl.py's flags (besides --group-size G and --max-new-tokens 3)
@@ -52,54 +53,16 @@ KL_SCALES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3)  # references: the policy plus N(0
 KL_KINDS = ("k1", "k2", "k3", "k2 of the answer")  # the last: k2 of the summed log-ratio, not what the stage does
 
 
-def stage_settings(flags, G):
-    """(args, policy_loss settings) as chat_rl.py's main makes them from these flags."""
-    args = chat_rl.parser.parse_args([*flags, "--group-size", str(G), "--max-new-tokens", str(exact.MAX_LEN)])
-    return args, chat_rl.update_settings(args)["loss_settings"]
-
-
-def estimate(batch, logp, old_logp, args, settings):
+def estimate(batch, logp, old_logp, settings):
     """One batch's estimate, as coefficients on each answer token's log-prob gradient (15, MAX_LEN):
     minus d loss / d logp of chat_rl's loss, added up per answer; times the Jacobian it is the gradient."""
-    adv = chat_rl.group_advantages(batch.rewards, args.group_size, scale=args.scale, estimator=args.estimator)
+    adv = chat_rl.group_advantages(batch.rewards, settings["group_size"], scale=settings["scale"],
+                                   estimator=settings["estimator"])
     leaf = logp.clone().requires_grad_()
-    loss, stats = chat_rl.policy_loss(leaf, old_logp, adv, batch.mask, **settings)
+    loss, stats = chat_rl.policy_loss(leaf, old_logp, adv, batch.mask, **settings["loss_settings"])
     (d_logp,) = torch.autograd.grad(loss, leaf)
     return torch.zeros(len(exact.ANSWERS), exact.MAX_LEN, dtype=torch.float64).index_add_(
         0, batch.answers, -d_logp), stats["clip_frac"]
-
-
-def exact_expectation(policy_logp, old_logp, args, settings):
-    """E over groups of G iid answers from the snapshot (old_logp) of `estimate`, exactly, as coefficients
-    (15, MAX_LEN). The loss is a sum over answers, answer i's term scaled by |A_i| / N (N: the group's tokens
-    for token-mean, G otherwise), its shape fixed by the sign of A_i; A_i depends on the others only through
-    their rewards, N through their lengths. So E g = G sum_y p_old(y) sum_sign E[|A_1| / N; sign | y_1 = y]
-    * (the loss gradient of y alone at A = sign, N = 1), the inner expectation a sum over the counts of the
-    other G - 1 answers in each (reward, length) class (exact.group_distribution)."""
-    G = args.group_size
-    p_old = old_logp.sum(-1).exp()
-    keys = sorted({(float(r), int(n)) for r, n in zip(exact.REWARDS, exact.LENGTHS)})
-    class_of = torch.tensor([keys.index((float(r), int(n))) for r, n in zip(exact.REWARDS, exact.LENGTHS)])
-    class_reward = torch.tensor([r for r, _ in keys], dtype=torch.float64)
-    class_len = torch.tensor([n for _, n in keys], dtype=torch.float64)
-    counts, prob = exact.group_distribution(torch.zeros(len(keys), dtype=torch.float64).index_add_(0, class_of, p_old),
-                                            G - 1)
-    S = len(counts)
-    others = class_reward[torch.repeat_interleave(torch.arange(len(keys)).repeat(S), counts.reshape(-1))].view(S, G - 1)
-    rewards = torch.cat([exact.REWARDS[:, None, None].expand(-1, S, 1), others.expand(len(exact.ANSWERS), -1, -1)], -1)
-    adv = chat_rl.group_advantages(rewards.reshape(-1), G, scale=args.scale, estimator=args.estimator)
-    first = adv.view(len(exact.ANSWERS), S, G)[..., 0].double()  # the advantage of answer y in each group
-    tokens = exact.LENGTHS[:, None].double() + (counts.double() * class_len).sum(-1)[None, :]
-    N = tokens if settings["agg"] == "token-mean" else torch.full_like(tokens, float(G))
-    coef = torch.zeros(len(exact.ANSWERS), exact.MAX_LEN, dtype=torch.float64)
-    for sign in (1.0, -1.0):
-        weight = (prob * (sign * first).clamp(min=0) / N).sum(-1)  # E[|A_1| / N; this sign | y_1 = y]
-        leaf = policy_logp.clone().requires_grad_()
-        loss, _ = chat_rl.policy_loss(leaf, old_logp, torch.full((len(exact.ANSWERS),), sign, dtype=torch.float64),
-                                      exact.EVERY.mask, normalizer=1.0, **settings)
-        (d_logp,) = torch.autograd.grad(loss, leaf)  # row y: the loss gradient of y alone (rows are separate)
-        coef -= G * (p_old * weight)[:, None] * d_logp
-    return coef
 
 
 def cosine(u, v):
@@ -115,9 +78,9 @@ def estimator_table(policy, old, jac, dJ, group_sizes, batches, seed=0):
         g = torch.Generator().manual_seed(seed + G)
         groups = [exact.sample(old_logp, G, g) for _ in range(batches)]  # the same groups for every variant
         for name, flags in VARIANTS.items():
-            args, settings = stage_settings(flags, G)
-            mean = exact_expectation(policy_logp, old_logp, args, settings).view(-1) @ jac
-            coefs, clips = zip(*(estimate(batch, policy_logp[batch.answers], old, args, settings)
+            settings = stage_settings([*flags, "--group-size", str(G)])
+            mean = expected_update(policy_logp, old_logp, rewards=exact.REWARDS, **settings)[0].view(-1) @ jac
+            coefs, clips = zip(*(estimate(batch, policy_logp[batch.answers], old, settings)
                                  for batch, old in groups))
             samples = torch.stack(coefs).view(batches, -1) @ jac  # (batches, P)
             avg = samples.mean(0)

@@ -261,3 +261,53 @@ def test_kl_estimator_gradients_per_token_and_per_answer(policy):
                          ("k3", (first_ref.exp() * (first_ref - first)).sum())):
         got = exact.flat_grad((pf * chat_rl.kl_penalty(first, first_ref, kind)).sum(), policy, retain_graph=True)
         assert torch.allclose(got, exact.flat_grad(target, policy, retain_graph=True), atol=1e-6), kind
+
+
+# ------------------------------------------------------------------------------------------------
+# What the lab's exact level adds: a step along an expected update, the tree of prefixes, the closed-form optimum
+
+def test_ascend_is_one_step_along_the_coefficients_times_the_jacobian(policy, jacobian):
+    """SGD at lr 0.1 along coefficients c (15, MAX_LEN) moves the weights by 0.1 sum_{y,t} c[y,t] d log p_t(y):
+    the Jacobian route, a different computation from ascend's backward pass."""
+    moved = exact.perturbed(policy, 0.0)
+    coef = torch.randn(15, MAX_LEN, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * EVERY.mask
+    before = torch.nn.utils.parameters_to_vector(moved.parameters()).detach().clone()
+    exact.ascend(torch.optim.SGD(moved.parameters(), lr=0.1), moved, coef)
+    step = torch.nn.utils.parameters_to_vector(moved.parameters()).detach() - before
+    assert torch.allclose(step.double(), 0.1 * torch.einsum("yt,ytp->p", coef, jacobian.double()), atol=1e-6)
+
+
+def test_prefixes_and_next_token_tables():
+    """7 prefixes; uniform next tokens give 1/3, 1/9, 1/27 (the docstring's example); the table read off an
+    answer table gives it back."""
+    assert exact.PREFIXES == [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)]
+    assert exact.PREFIX_OF[exact.NAMES.index("a b end")].tolist() == [0, 1, 4]
+    uniform = torch.full((7, 3), math.log(1 / 3), dtype=torch.float64)
+    p = exact.answer_logprobs_from(uniform).exp()
+    assert [p[0].item(), p[1].item(), p[7].item()] == pytest.approx([1 / 3, 1 / 9, 1 / 27])
+    assert p.sum().item() == pytest.approx(1.0)
+    table = torch.log_softmax(torch.randn(7, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64), -1)
+    token_logp = table[exact.PREFIX_OF, EVERY.targets.clamp(min=0)] * EVERY.mask
+    assert torch.allclose(exact.next_token_logprobs(token_logp), table)
+    assert torch.allclose(exact.answer_logprobs_from(table), token_logp.sum(-1))
+
+
+def test_regularized_optimum_worked_example_and_its_optimality():
+    """The docstring's example; and pi* beats every nearby distribution at E[R] - beta KL(. || ref)."""
+    two = exact.regularized_optimum(torch.tensor([0.5, 0.5]).log(), torch.tensor([1.0, 0.0]), 0.5)
+    assert two.tolist() == pytest.approx([math.e ** 2 / (math.e ** 2 + 1), 1 / (math.e ** 2 + 1)])
+    ref = torch.softmax(torch.randn(15, generator=torch.Generator().manual_seed(2), dtype=torch.float64), 0)
+    star = exact.regularized_optimum(ref.log(), REWARDS, 0.3)
+
+    def value(q):
+        return float((q * REWARDS).sum() - 0.3 * (q * (q / ref).log()).sum())
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        other = torch.softmax(star.log() + 0.05 * torch.randn(15, generator=g, dtype=torch.float64), 0)
+        assert value(other) < value(star)
+
+
+def test_total_variation_and_entropy():
+    p, q = torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.25, 0.25, 0.5])
+    assert exact.total_variation(p, q) == pytest.approx(0.5) and exact.total_variation(p, p) == 0.0
+    assert exact.entropy(p) == pytest.approx(math.log(2)) and exact.entropy(torch.tensor([1.0, 0.0])) == 0.0

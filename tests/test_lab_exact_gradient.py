@@ -14,6 +14,7 @@ from test_exact import expected_estimate
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "lab"))
+import exact_dynamics  # noqa: E402
 import exact_gradient  # noqa: E402
 
 torch.set_num_threads(1)
@@ -28,15 +29,16 @@ def world():
 @pytest.mark.parametrize("snapshot,G,names", [("fresh", 2, list(exact_gradient.VARIANTS)), ("fresh", 3, ["CISPO"]),
                                               ("stale", 2, list(exact_gradient.VARIANTS)), ("stale", 3, ["CISPO", "GSPO"])])
 def test_closed_form_expectation_equals_the_sum_over_every_group(world, snapshot, G, names):
-    """exact_expectation (a sum over the counts of the other G - 1 answers) against expected_estimate (a sum
-    over all 15^G groups through chat_rl's loss): the same vector. G = 3 takes the token-mean normalizer
+    """exact_dynamics.expected_update (a sum over the counts of the other G - 1 answers) against expected_estimate
+    (a sum over all 15^G groups through chat_rl's loss): the same vector. G = 3 takes the token-mean normalizer
     (CISPO), where the others' lengths matter, and GSPO's sequence ratio."""
     policy, stale, jac = world
     old = policy if snapshot == "fresh" else stale
     policy_logp, old_logp = exact.token_logprobs(policy).detach(), exact.token_logprobs(old).detach()
     for name in names:
-        args, settings = exact_gradient.stage_settings(exact_gradient.VARIANTS[name], G)
-        closed = exact_gradient.exact_expectation(policy_logp, old_logp, args, settings).view(-1) @ jac.view(45, -1)
+        settings = exact_dynamics.stage_settings([*exact_gradient.VARIANTS[name], "--group-size", str(G)])
+        closed = exact_dynamics.expected_update(policy_logp, old_logp, rewards=exact.REWARDS, **settings)[0]
+        closed = closed.view(-1) @ jac.view(45, -1)
         brute = expected_estimate(policy, old, jac, G, exact_gradient.VARIANTS[name])
         assert torch.allclose(closed, brute, atol=1e-6 * brute.norm()), name
 
