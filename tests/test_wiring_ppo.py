@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import chat_ppo
+import common
 from checkpoint import load_hf, save_hf
 from inprocess import (LengthGrader, correction_weights, kl_estimate, loaded, logp_of, perturbed_reference, rows_of,
                        run_stage, spy, truncated_logp)
@@ -76,6 +77,7 @@ def ppo_case(monkeypatch, home, folders, *flags, steps=1):
     chat, rm = folders
     monkeypatch.setattr(chat_ppo, "Grader", LengthGrader)
     monkeypatch.setattr(chat_ppo, "reference_model", perturbed_reference(chat_ppo.reference_model))
+    monkeypatch.setitem(common.FLAG_RANGES, "mask_eps", ">= -1")  # -1 drops every token: the flag's effect shows
     argv = ["--init", chat, "--critic-init", rm, *BASE, *flags]
     args = chat_ppo.parser.parse_args(argv)
     rec = {name: spy(monkeypatch, chat_ppo, name) for name in ("sample", "training_batch", "token_rewards", "gae")}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import chat_rl
+import common
 from checkpoint import save_hf
 from inprocess import (LengthGrader, correction_weights, loaded, logp_of, perturbed_reference, run_stage, spy,
                        truncated_logp)
@@ -33,6 +34,9 @@ def chat(tok, tmp_path_factory):
 def rl_case(monkeypatch, home, chat, *flags):
     monkeypatch.setattr(chat_rl, "Grader", LengthGrader)
     monkeypatch.setattr(chat_rl, "reference_model", perturbed_reference(chat_rl.reference_model))
+    # --mask-eps -1 drops every token: no user means that (common.FLAG_RANGES refuses it), this test does, to see
+    # the flag reach the weights whatever the float noise between engine and trainer
+    monkeypatch.setitem(common.FLAG_RANGES, "mask_eps", ">= -1")
     argv = ["--init", chat, *BASE, *flags]
     rec = {name: spy(monkeypatch, chat_rl, name) for name in ("sample", "dynamic_sampling", "update_policy",
                                                                  "reference_model")}
