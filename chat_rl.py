@@ -26,7 +26,8 @@ Where the defaults depart from paper GRPO, and why (each departure is one flag a
   slows learning, and without it no reference model is loaded; when on, the loss uses k2, whose gradient is
   the KL's (k3's is the reverse KL's: rollout.kl_penalty);
 - dynamic sampling (DAPO; --no-dynamic-sampling): groups whose answers all scored the same teach nothing
-  and are replaced by more samples;
+  and are replaced by more samples; those the last round (--max-resample) must keep train nothing and count in
+  no denominator, as in DAPO and verl (paper GRPO trains them at advantage 0, their tokens in token-mean's);
 - the sampler correction, token-tis (--correction none): the engine's numerics are not the trainer's, so
   each token is weighted by min(p_trainer / p_engine, 2), truncated importance sampling.
 
@@ -64,8 +65,9 @@ from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
 from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts,
-                     dynamic_sampling, heldout_rewards, idle_warning, kl_penalty, kl_to_start, overlong_penalty,
-                     prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
+                     dynamic_sampling, flat_answers, heldout_rewards, idle_warning, kl_penalty, kl_to_start,
+                     overlong_penalty, prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction,
+                     training_batch)
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import PROMPT_FORMATS, settle_chat_template
@@ -226,8 +228,10 @@ def aggregate(per_token, mask, agg="token-mean", normalizer=None, max_len=None):
 
 
 def loss_normalizer(mask, agg):
-    """This rank's share of the policy loss denominator: tokens for token-mean, answers otherwise."""
-    return float(mask.sum()) if agg == "token-mean" else float(mask.size(0))
+    """This rank's share of the policy loss denominator: tokens for token-mean, answers otherwise (those with a
+    token to train: an answer masked whole, a flat group's under dynamic sampling or a truncated one under
+    --mask-truncated, is in no denominator)."""
+    return float(mask.sum()) if agg == "token-mean" else float((mask.sum(-1) > 0).sum())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -410,6 +414,8 @@ def main():
         t1 = time.time()
         adv = step_advantages(rollouts.rewards, G, args.scale, args.estimator).to(device)
         batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device, args.mask_truncated)
+        flat = flat_answers(rollouts.rewards, G) if args.dynamic_sampling else torch.zeros(len(rollouts), dtype=torch.bool)
+        batch.mask[flat.to(device)] = 0  # flat groups the last round had to keep train nothing, in no denominator
         mask = batch.mask
         old_logp, entropy = batch_logprobs(model, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
         ref_logp = None
@@ -435,6 +441,7 @@ def main():
             "length_max": max(len(c.tokens) for c in rollouts.completions),
             "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
             "flat_group_frac": all_reduce_sum(float(groups["flat"])) / max(1.0, n_groups),
+            "flat_groups_kept": all_reduce_sum(float(flat.sum())) / G,  # in the batch, masked: trained on nothing
             "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
             "loss": all_reduce_sum(totals["loss"]) / max(1, totals["updates"]),
             "clip_frac": all_reduce_sum(totals["clip_frac"]) / n_tok_updates,

@@ -214,7 +214,9 @@ def dynamic_sampling(sample_round, need, max_rounds):
     """Groups whose answers all scored the same teach nothing (their advantages are all 0, and with no KL
     term their loss is exactly 0: trl#2703). DAPO samples more instead: sample_round(round, n) returns the
     Rollouts of n prompts' groups; flat groups are dropped and more are sampled, up to max_rounds rounds;
-    the last round keeps everything it needs, flat or not, so the batch is always full.
+    the last round keeps everything it needs, flat or not, so the batch keeps its shape. A flat group kept so
+    must not train: its tokens would enter token-mean's denominator and shrink every other token's step
+    (DAPO and verl never train on one): the caller masks them (flat_answers).
     Returns (rollouts of `need` groups, {"groups": groups sampled, "flat": flat groups among them})."""
     kept, have, groups, flat = [], 0, 0, 0
     for round_ in range(max_rounds):
@@ -231,6 +233,13 @@ def dynamic_sampling(sample_round, need, max_rounds):
         kept.append(rollouts.select([g * G + j for g in keep for j in range(G)]))
         have += len(keep)
     return Rollouts.concat(kept), {"groups": groups, "flat": flat}
+
+
+def flat_answers(rewards, group_size):
+    """(N,) bool: the answers of groups whose rewards are all equal. Example: rewards [1, 0, 1, 1] in groups of 2
+    -> [False, False, True, True]."""
+    r = rewards.view(-1, group_size)
+    return (r.max(1).values == r.min(1).values).repeat_interleave(group_size)
 
 
 IDLE_PATIENCE = 3  # steps in a row with no gradient before the run says so

@@ -721,6 +721,18 @@ def test_batch_scale_divides_by_the_whole_batchs_std():
         torch.testing.assert_close(step_advantages(r, 3, scale, "rloo"), group_advantages(r, 3, scale, "rloo"))
 
 
+def test_an_answer_masked_whole_is_in_no_denominator():
+    """A flat group kept by dynamic sampling's last round, or an answer cut at the limit under --mask-truncated, is
+    masked whole: it counts in no aggregation's denominator, tokens or answers. Example: answers of 2, 0 (masked)
+    and 3 tokens: token-mean divides by 5, the two per-answer aggregations by 2 answers, not 3."""
+    from chat_rl import loss_normalizer
+    mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1]])
+    assert loss_normalizer(mask, "token-mean") == 5.0
+    assert loss_normalizer(mask, "seq-mean-token-mean") == loss_normalizer(mask, "seq-mean-token-sum-norm") == 2.0
+    from rollout import flat_answers
+    assert flat_answers(torch.tensor([1.0, 0, 1, 1, 0.5, 0.5]), 2).tolist() == [False, False, True, True, True, True]
+
+
 def test_dynamic_sampling_drops_flat_groups_and_fills_the_batch():
     from rollout import dynamic_sampling
     from rollout import Rollouts

@@ -104,10 +104,12 @@ def test_each_flag_reaches_the_update(monkeypatch, tmp_path, chat, flags):
     batch, kw = call.args[2], call.kwargs
     torch.testing.assert_close(kw["advantages"], reference_advantages(rewards, G, args.estimator, args.scale),
                                atol=1e-5, rtol=1e-5)
-    # the loss mask: the answer's sampled tokens, none of an answer cut at the limit under --mask-truncated
+    # the loss mask: the answer's sampled tokens, none of an answer cut at the limit under --mask-truncated, none
+    # of a group whose rewards are all equal under dynamic sampling (kept by its last round: DAPO trains none)
+    flat = [bool(rewards[b // G * G:(b // G + 1) * G].unique().numel() == 1) for b in range(len(rewards))]
     m = torch.zeros_like(batch.mask)
     for b, (p, c) in enumerate(zip(kept.prompts, kept.completions)):
-        if not (args.mask_truncated and c.finish_reason == "length"):
+        if not (args.mask_truncated and c.finish_reason == "length") and not (args.dynamic_sampling and flat[b]):
             m[b, len(p) - 1:len(p) - 1 + len(c.tokens)] = torch.tensor(c.mask, dtype=torch.float)
     torch.testing.assert_close(batch.mask, m)
     if args.mask_truncated:
@@ -126,6 +128,34 @@ def test_each_flag_reaches_the_update(monkeypatch, tmp_path, chat, flags):
         assert kw["ref_logp"] is None and not rec["reference_model"]
     weights = correction_weights(kw["old_logp"], batch.engine_logp, m, args.correction, args.tis_cap, args.mask_eps)
     torch.testing.assert_close(kw["weights"], weights)
+
+
+class FlatFirstGroup(LengthGrader):
+    """LengthGrader, but every answer of the batch's first prompt scores 1: one flat group per step."""
+    def __call__(self, rows, prompts, completions):
+        grades = super().__call__(rows, prompts, completions)
+        grades.total[[i for i, p in enumerate(prompts) if p == prompts[0]]] = 1.0
+        return grades
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["dynamic-sampling", "no-dynamic-sampling"])
+def test_a_flat_group_kept_by_the_last_round_trains_nothing_and_counts_in_no_denominator(monkeypatch, tmp_path,
+                                                                                         chat, dynamic):
+    """With --max-resample 0 dynamic sampling's one round keeps its flat group (the batch keeps its shape): its
+    tokens are out of the loss mask, so token-mean divides by the other groups' tokens only (DAPO, verl), and the
+    run logs how many were kept. Without dynamic sampling paper GRPO trains the flat group at advantage 0, its
+    tokens in the denominator."""
+    monkeypatch.setattr(chat_rl, "Grader", FlatFirstGroup)
+    rec = {name: spy(monkeypatch, chat_rl, name) for name in ("update_policy", "dynamic_sampling")}
+    flags = ["--overlong-buffer", "0", *(["--max-resample", "0"] if dynamic else ["--no-dynamic-sampling"])]
+    steps = [r for r in run_stage(monkeypatch, tmp_path, chat_rl, "--init", chat, *BASE, *flags) if "loss" in r]
+    kept = rec["dynamic_sampling"][0].out[0]
+    G = kept.group_size
+    first = [i for i, p in enumerate(kept.prompts) if p == kept.prompts[0]]
+    batch = rec["update_policy"][0].args[2]
+    assert len(batch.mask) == len(kept) and len(first) % G == 0  # the batch keeps its shape
+    assert (batch.mask[first].sum() == 0) == dynamic and (batch.mask.sum(-1) > 0).sum() >= len(kept) - len(first)
+    assert steps[0]["flat_groups_kept"] == (len(first) / G if dynamic else 0)
 
 
 @pytest.mark.parametrize("argv", [["--eps-low", "0.05"], ["--eps-high", "0.05"], ["--dual-clip", "1.5"],
