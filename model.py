@@ -7,7 +7,8 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
 
 - `forward` gives logits (inference), values (scalar head), or, with `targets`, per-token log-probs.
 - `doc_ids` (B, T) marks documents packed into one row: positions restart at each document and attention
-  never crosses one. The same mechanism isolates the left padding of a batch of prompts in the engine.
+  never crosses one, each document attending as a row of its own (`PackedDocuments`: no T x T mask, and no
+  work across documents). In the engine's prefill a mask isolates the left padding of a batch of prompts.
 - `kv_cache` (a `KVCache`) makes decoding one token per step cost O(T) instead of O(T^2) (the engine's
   fast decode step, engine.decode_step, is the same step as one flat function over fused weights).
 - `forward(idx, targets)` gives per-token log-probs (and entropies) in float32, chunk by chunk over the
@@ -187,6 +188,8 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
+        if isinstance(mask, PackedDocuments):  # packed rows: each document attends within itself
+            return self.o_proj(mask.attention(q, k, v))
         if T == 1 and kv_cache is not None:
             # one decode step: fold each kv head's group of query heads into the query-length axis, so
             # attention is one plain (no GQA broadcast) call; the mask (B, 1, 1, S) or None covers the group
@@ -194,9 +197,70 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
         elif mask is None:  # plain causal self-attention: the fast path
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
+        else:  # the engine's prefill: left-padded prompts, isolated from their padding by a mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+@dataclass
+class PackedDocuments:
+    """The documents of packed rows (doc_ids), laid out for attention as batches of their own, so that no
+    (T, T) mask is ever built and every attention call is plain causal: the fused kernel (flash, on CPU and
+    CUDA) computes only each document's own lower triangle and never a block across two documents.
+
+    Documents are sorted by length, longest first, and grouped: a batch is padded to its longest document,
+    and a document joins it while longer than half of that (so each is padded to less than twice its length,
+    and documents of one length cost exactly what they cost as rows of their own). The padding copies the
+    document's last token and sits after it, where causal attention never looks back from a real token.
+    Example: doc_ids [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]] (flat tokens 0..11: documents of 3, 2, 1, 4
+    and 2 tokens) gives three batches, [[6, 7, 8, 9], [0, 1, 2, 2]] (4 and 3 tokens, padded to 4),
+    [[3, 4], [10, 11]] and [[5]]; `inverse`, each flat token's place among the batches' outputs concatenated
+    (8 + 4 + 1 rows), is [4, 5, 6, 8, 9, 12, 0, 1, 2, 3, 10, 11].
+
+    torch 2.13 has no document masking that runs forward and backward on both devices otherwise: FlexAttention
+    has no backward on CPU (and its eager forward builds the scores), varlen_attn runs only on CUDA
+    (benchmarks/bench_packed_attention.py; docs/speed.md)."""
+    batches: list            # per batch, (documents, padded length): the flat token index (row * T + column)
+    inverse: torch.Tensor    # (B * T,): each token's row in the batches' outputs, flattened and concatenated
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids):
+        # the lengths decide the shapes: one copy to the host per forward, never per layer
+        B, T = doc_ids.shape
+        doc = doc_ids.cpu()
+        starts = torch.ones(B, T, dtype=torch.bool)
+        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        start = starts.flatten().nonzero().squeeze(1)  # each document's first token, as a flat index
+        length = torch.diff(start, append=torch.tensor([B * T]))
+        order = torch.argsort(length, descending=True, stable=True)
+        batches, src, i = [], [], 0
+        while i < len(order):
+            longest = int(length[order[i]])
+            n = int((2 * length[order[i:]] > longest).sum())  # the documents longer than half the longest
+            docs, column = order[i:i + n], torch.arange(longest)
+            batches.append(start[docs, None] + torch.minimum(column, length[docs, None] - 1))
+            src.append(torch.where(column < length[docs, None], batches[-1], -1).flatten())  # -1: padding
+            i += n
+        src = torch.cat(src)
+        inverse = torch.empty(B * T, dtype=torch.long)
+        inverse[src[src >= 0]] = (src >= 0).nonzero().squeeze(1)
+        dev = doc_ids.device
+        return cls([b.to(dev, non_blocking=True) for b in batches], inverse.to(dev, non_blocking=True))
+
+    def attention(self, q, k, v):
+        """Causal attention of q (B, H, T, D) to k, v (B, H_kv, T, D) within each document: (B, T, H * D)."""
+        B, H, T, D = q.shape
+
+        def tokens(x):  # (B * T, heads, D): a view when x is a transposed (B, T, heads, D), as q, k, v are
+            return x.transpose(1, 2).reshape(B * T, x.size(1), D)
+
+        q, k, v = tokens(q), tokens(k), tokens(v)
+        outs = []
+        for index in self.batches:  # (documents, padded length, heads, D), then heads before positions
+            y = F.scaled_dot_product_attention(*(x.index_select(0, index.flatten()).unflatten(0, index.shape)
+                                                 .transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True)
+            outs.append(y.transpose(1, 2).reshape(-1, H * D))
+        return torch.cat(outs).index_select(0, self.inverse).view(B, T, H * D)
 
 
 class MLP(nn.Module):
@@ -358,8 +422,7 @@ class GPT(nn.Module):
                 pos = torch.arange(T, device=dev).expand(B, T)
             else:
                 pos = positions_from_doc_ids(doc_ids)
-                same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-                mask = (same_doc & torch.ones(T, T, dtype=torch.bool, device=dev).tril())[:, None]
+                mask = PackedDocuments.from_doc_ids(doc_ids)
         else:
             t0 = kv_cache.length
             if t0 + T > kv_cache.max_len:
