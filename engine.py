@@ -8,12 +8,12 @@ Batched KV-cache sampling on the training device, token in, token out.
 The weights it samples with. `Engine.prepare()` reads the model once, parameter by parameter through
 `_full_weight`, into everything the decode loop uses: a plain (unwrapped) model in the compute dtype
 (bfloat16 on CUDA, float32 on CPU; `Engine(..., dtype=)` overrides), the fused decode weights of
-`decode_weights`, and the LM head in float32. Master weights already plain and in that dtype (float32
-on CPU) are shared, not copied. Nothing is cast while decoding and no autocast is entered: the KV cache
-is in the compute dtype too. The logits sampled from are `F.linear(h.float(), head_fp32)`, the final hidden
-state cast to float32 times the float32 head, which is how the trainer computes its log-probs: the output
-head is the main source of sampler/trainer mismatch in bfloat16 (MiniMax-M1, arXiv:2506.13585;
-PrimeIntellect-ai/prime-rl#2438).
+`decode_weights`, and the LM head in the dtype of the model's head precision (`GPT.head_precision`:
+float32 by default). Master weights already plain and in that dtype (float32 on CPU) are shared, not
+copied. Nothing is cast while decoding and no autocast is entered: the KV cache is in the compute dtype
+too. The logits sampled from are `model.head_logits(h, head, model.head_precision)`, the function and the
+setting with which the trainer computes its log-probs: the output head is the main source of
+sampler/trainer mismatch in bfloat16 (MiniMax-M1, arXiv:2506.13585; PrimeIntellect-ai/prime-rl#2438).
 
 A LoRA model (lora.LoRALinear) is sampled with its adapters unmerged: the frozen base, already in the
 compute dtype, is shared; the adapters are cast to it, and decode_step adds each fused layer's low-rank
@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from common import compute_dtype, unwrap
 from lora import LoRALinear, add_lora, lora_layers
-from model import GPT, KVCache, apply_rope, process_logits, rms_norm
+from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, process_logits, rms_norm
 from tokenizer import parse_tool_calls
 
 
@@ -131,9 +131,9 @@ def decode_weights(model, head=None):
     """The weights decode_step reads: per layer, fused, the q, k and v projections as one matrix, gate
     and up as one, the q/k-norm gains as one (H + H_kv, D) table, attention's 1/sqrt(D) folded into q
     (into q's norm gain when there is one: the norm would undo it on the weights); and `head`, the
-    (V, C) float32 matrix the logits come from (default: this model's lm_head in float32; the engine
-    passes the master weights' own). A copy in this model's dtype: build it again whenever the weights
-    change (Engine.prepare does: one pass over them)."""
+    (V, C) matrix the logits come from, in the dtype of this model's head_precision (default: this
+    model's lm_head, cast; the engine passes the master weights' own), with that precision. A copy in
+    this model's dtype: build it again whenever the weights change (Engine.prepare does: one pass over them)."""
     if model.config.head != "lm":
         raise ValueError("decode_step needs the language-model head")
     scale = model.config.head_dim ** -0.5
@@ -156,15 +156,17 @@ def decode_weights(model, head=None):
         layers.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
                        a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
                        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t(), low_rank))
-    return {"layers": layers, "head": model.lm_head.weight.float() if head is None else head}
+    precision = model.head_precision
+    head = model.lm_head.weight.to(HEAD_PRECISIONS[precision]) if head is None else head
+    return {"layers": layers, "head": head, "head_precision": precision}
 
 def decode_step(model, tokens, kv_cache, weights):
     """Float32 logits (B, V) of one new token per row (tokens: (B,)), appended to kv_cache: the numbers
-    of F.linear(hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1].float(), weights["head"]), but
+    of head_logits(hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1], weights["head"], precision), but
     as one flat function over the fused weights of decode_weights, with q and k normed and rotated
     together and each residual add inside its matmul. A small model's decode step is mostly per-op
     overhead, and this runs about half the ops of the module forward (see benchmarks/bench_engine.py).
-    Everything runs in the dtype of this model's weights (the KV cache's too); only the head is float32."""
+    Everything runs in the dtype of this model's weights (the KV cache's too); the head in its precision."""
     c, t = model.config, kv_cache.length
     if not 0 < t < kv_cache.max_len:
         raise ValueError(f"decode_step needs a prefilled KV cache with room: length {t}, max_len {kv_cache.max_len}")
@@ -198,7 +200,7 @@ def decode_step(model, tokens, kv_cache, weights):
         x = add_low_rank(torch.addmm(x, y, w_down_t), y, lr_down)
     kv_cache.length += 1
     kv_cache.next_pos = pos + 1
-    return F.linear(rms_norm(x, model.model.norm.weight, eps).float(), weights["head"])
+    return head_logits(rms_norm(x, model.model.norm.weight, eps), weights["head"], weights["head_precision"])
 
 
 def fused_low_rank(linears, row_scale=None):
@@ -243,8 +245,8 @@ def _full_weight(p):
 class Prepared:
     """What generate decodes with (Engine.prepare)."""
     model: GPT              # plain, in the compute dtype: the prefill runs its forward, decode decode_step
-    weights: dict           # decode_weights(model, head): the fused per-layer weights and the float32 head
-    head: torch.Tensor      # (V, C) float32: logits = F.linear(h.float(), head)
+    weights: dict           # decode_weights(model, head): the fused per-layer weights and the head
+    head: torch.Tensor      # (V, C) in the head precision's dtype: logits = head_logits(h, head, precision)
     versions: tuple         # the master parameters' version counters at prepare time (a change = an update)
 
 
@@ -298,7 +300,7 @@ class Engine:
                 add_lora(model, lora["r"], lora["alpha"], lora["targets"])
             for name, p in params.items():
                 if name == "lm_head.weight":
-                    continue  # an untied head is only ever used in float32 (below): no compute-dtype copy
+                    continue  # an untied head is only ever used in its precision (below): no compute-dtype copy
                 module_name, _, attr = name.rpartition(".")
                 w = _full_weight(p).to(self.dtype)
                 setattr(model.get_submodule(module_name), attr, nn.Parameter(w, requires_grad=False))
@@ -307,7 +309,9 @@ class Engine:
             # the RoPE tables in the compute dtype too, so no step casts them
             model.rope_cos = master.rope_cos.to(self.dtype)
             model.rope_signed_sin = master.rope_signed_sin.to(self.dtype)
-        head = _full_weight(master.lm_head.weight).float()  # no copy when the master is float32
+            model.head_precision = master.head_precision  # the trainer's: one function for both (head_logits)
+        # no copy when the master is already in the head's dtype (float32, on CPU or for the float32 head)
+        head = _full_weight(master.lm_head.weight).to(HEAD_PRECISIONS[master.head_precision])
         if copy and head.data_ptr() == master.lm_head.weight.data_ptr():
             head = head.clone()
         return Prepared(model=model, weights=decode_weights(model, head), head=head, versions=_versions(master))
@@ -370,7 +374,7 @@ class Engine:
         cache = KVCache(cfg, R, longest + max_new_tokens, device, self.dtype)
         # only the last position's logits are needed: the head on all of them is ~12% of a prefill
         h = model.hidden_states(ids.to(device), doc_ids=doc.to(device), kv_cache=cache)[:, -1]
-        logits = F.linear(h.float().repeat_interleave(N, dim=0), prep.head)
+        logits = head_logits(h.repeat_interleave(N, dim=0), prep.head, model.head_precision)
 
         # the batch's state, on the device: batch row b holds completion rows[b] (the identity until the
         # first compaction, when these buffers are also the completion-ordered results)

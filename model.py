@@ -13,13 +13,14 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
   fast decode step, engine.decode_step, is the same step as one flat function over fused weights).
 - `forward(idx, targets)` gives per-token log-probs (and entropies) in float32, chunk by chunk over the
   graded positions only (`vocab_logprobs`), so no (B, T, V) tensor is ever built in training; the SFT
-  loss is its negation. `grad_checkpointing = True` recomputes each block's activations in backward.
+  loss is its negation. The head's matmul runs in `head_precision` (`head_logits`), as the engine's does. `grad_checkpointing = True` recomputes each block's activations in backward.
 - `GPTConfig.head = "scalar"` swaps the vocabulary head for a one-number head (`score`), as reward
   models and critics need; everything below the head is the same code.
 - Bad shapes raise ValueError; loading and saving Hugging Face folders is checkpoint.py's, LoRA lora.py's.
   This file imports only torch.
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -320,25 +321,75 @@ def process_logits(logits, temperature=1.0, top_k=None, top_p=None):
     return logits
 
 
+# the LM head's precision -> the dtype its weight and inputs are in (GPT.head_precision, --head-precision)
+HEAD_PRECISIONS = {"float32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
+
+
+def head_logits(hidden, weight, precision="float32"):
+    """The LM head's logits (N, V), float32, from hidden states (N, C) and the head weight (V, C): the one
+    function the engine samples from and the trainers score with, so that they compute the same numbers.
+      float32  float32 inputs and products (on a GPU, CUDA cores: the default until a GPU measures the others)
+      tf32     float32 inputs, products on TF32 tensor cores (inputs rounded to 10 mantissa bits, float32
+               accumulation), for this matmul alone, forward and backward (CUDA; on CPU it is float32)
+      bf16     bfloat16 inputs and output, float32 accumulation inside the matmul
+    The logits come out float32 in every case, so every log-sum-exp over them accumulates in float32. The
+    weight is cast to HEAD_PRECISIONS[precision] by the caller, once per call (a (V, C) cast per chunk or
+    per decoded token would cost more than the head). Run outside autocast (the caller's)."""
+    h = hidden.to(HEAD_PRECISIONS[precision])
+    logits = TF32Linear.apply(h, weight) if precision == "tf32" else F.linear(h, weight)
+    return logits.float()
+
+
+@contextmanager
+def tf32_matmuls():
+    """CUDA float32 matmuls on TF32 tensor cores inside the block; the process's own setting restored after."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+class TF32Linear(torch.autograd.Function):
+    """F.linear(x, w) of 2-D float32 x with each of its matmuls, forward and backward, under tf32_matmuls.
+    Autograd runs the backward after a block around the call has closed: without this, the backward's two
+    matmuls (two thirds of the head's FLOPs) would run in full float32."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        with tf32_matmuls():
+            return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with tf32_matmuls():
+            return (grad @ w if ctx.needs_input_grad[0] else None,
+                    grad.t() @ x if ctx.needs_input_grad[1] else None)
+
+
 def vocab_logprobs(hidden, weight, targets, *, temperature=1.0, top_k=None, top_p=None, with_entropy=False,
-                   chunk_elements=2**26):
+                   precision="float32", chunk_elements=2**26):
     """log p(targets) in float32 (B, T), 0 where targets < 0, from final hidden states (B, T, C) and a
     vocabulary head weight (V, C), without ever building the (B, T, V) logits: only the graded positions
     (targets >= 0) are computed, in chunks of about chunk_elements logits (441 tokens at a vocabulary of
     151,936: 256 MB in float32); under autograd each chunk's logits are recomputed in backward, so only
-    the (N, C) hidden states are kept. The head runs in float32 (weight and hidden states cast up): the
-    engine samples from float32 logits of the same head, and the output head is where bf16
-    engine/trainer mismatch comes from (MiniMax-M1; prime-rl#2438).
+    the (N, C) hidden states are kept. The head runs in `precision` (head_logits: float32 by default, the
+    weight and hidden states cast up), as the engine's does: the output head is where bf16 engine/trainer
+    mismatch comes from (MiniMax-M1; prime-rl#2438), so the two always share one setting.
     with_entropy=True also returns each graded position's entropy -sum p log p under the distribution
     sampled from (temperature, top-k/top-p applied): a truncated token (logit -inf, p = 0) contributes
     0, not 0 * -inf = NaN."""
     graded = targets >= 0
     h, t = hidden[graded], targets[graded]                  # (N, C), (N,)
     step = max(1, chunk_elements // weight.size(0))
+    weight = weight.to(HEAD_PRECISIONS[precision])          # once, not per chunk
 
     def chunk_fn(h_chunk, t_chunk):
         with torch.autocast(h_chunk.device.type, enabled=False):
-            logits = process_logits(F.linear(h_chunk.float(), weight.float()), temperature, top_k, top_p)
+            logits = process_logits(head_logits(h_chunk, weight, precision), temperature, top_k, top_p)
             lse = torch.logsumexp(logits, dim=-1)
             lp = logits.gather(-1, t_chunk[:, None]).squeeze(-1) - lse
             if not with_entropy:
@@ -374,6 +425,7 @@ class GPT(nn.Module):
         else:
             self.score = nn.Linear(config.n_embd, 1, bias=False)
         self.grad_checkpointing = False  # activation checkpointing per decoder block (--grad-checkpointing)
+        self.head_precision = "float32"  # the LM head's matmul, here and in the engine (head_logits; --head-precision)
         self._init_rope()
         if not any(p.is_meta for p in self.parameters()):
             self.apply(self._init_weights)
@@ -488,15 +540,15 @@ class GPT(nn.Module):
             # targets, from the same hidden states, through the tied embeddings or a frozen copy of the
             # chat model's untied head (the buffer frozen_lm_head, attached by chat_rm.py)
             head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.frozen_lm_head
-            return values, vocab_logprobs(h, head, targets)
+            return values, vocab_logprobs(h, head, targets, precision=self.head_precision)
         if targets is None:
             return self.lm_head(h)
         return self.head_logprobs(h, targets, temperature=temperature, top_k=top_k, top_p=top_p,
                                    with_entropy=with_entropy)
 
     def head_logprobs(self, hidden, targets, **kwargs):
-        """vocab_logprobs through this model's LM head (see there)."""
-        return vocab_logprobs(hidden, self.lm_head.weight, targets, **kwargs)
+        """vocab_logprobs through this model's LM head, in its head_precision (see there)."""
+        return vocab_logprobs(hidden, self.lm_head.weight, targets, precision=self.head_precision, **kwargs)
 
 
 

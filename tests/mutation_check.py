@@ -72,6 +72,11 @@ MUTANTS = [
            ("tests/test_engine.py::test_sampler_draws_from_the_processed_distribution",
             "tests/test_engine.py::test_engine_logprobs_equal_trainer_recomputation[0.7-20-None]"),
            "the engine samples at temperature 1 whatever it is asked (trl#4159)"),
+    Mutant("engine-head-ignores-precision", "engine.py",
+           'return head_logits(rms_norm(x, model.model.norm.weight, eps), weights["head"], weights["head_precision"])',
+           'return F.linear(rms_norm(x, model.model.norm.weight, eps).float(), weights["head"].float())',
+           ("tests/test_engine.py::test_each_head_precision_gives_the_engine_the_trainers_logprobs[bf16]",),
+           "the engine decodes through a float32 head whatever the trainer's head precision (MiniMax-M1's mismatch)"),
     # KV cache positions
     Mutant("decode-position-is-cache-index", "engine.py",
            "    pos = kv_cache.next_pos\n    dtype",

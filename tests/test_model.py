@@ -1,13 +1,17 @@
 """The GPT: packing isolation, the KV cache, log-probs, the scalar head, and equality with transformers."""
+import argparse
 import json
 import math
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from common import UserError
-from model import GPT, GPTConfig, KVCache, PackedDocuments, positions_from_doc_ids, process_logits
+from common import UserError, add_run_flags
+from model import (GPT, HEAD_PRECISIONS, GPTConfig, KVCache, PackedDocuments, head_logits, positions_from_doc_ids,
+                   process_logits, vocab_logprobs)
 from checkpoint import load_hf, save_hf
 from engine import decode_step, decode_weights
 
@@ -173,6 +177,70 @@ def test_logprobs_and_entropy_in_chunks_match_the_full_softmax_and_gradients(tem
         g1 = torch.autograd.grad(ours.sum(), w, retain_graph=True)[0]
         g2 = torch.autograd.grad(ref.sum(), w, retain_graph=True)[0]
         torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+class MatmulPrecisions(TorchDispatchMode):
+    """The CUDA float32 matmul setting in force at each matrix product run inside it, by the product's output width."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen.append((out.size(-1), torch.backends.cuda.matmul.fp32_precision))
+        return out
+
+
+def test_head_precisions_compute_what_they_name_with_float32_logits():
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 32), torch.randn(97, 32) / 6
+    exact = h.double() @ w.double().T
+    for precision, dtype, err in (("float32", torch.float32, 1e-5), ("tf32", torch.float32, 1e-5),
+                                  ("bf16", torch.bfloat16, 3e-2)):
+        logits = head_logits(h, w.to(dtype), precision)
+        assert logits.dtype == torch.float32  # so every log-sum-exp after it accumulates in float32
+        assert (logits.double() - exact).abs().max() < err
+    bf16 = head_logits(h, w.bfloat16(), "bf16")  # bf16 inputs and output: what a bf16 matmul gives, no more
+    assert torch.equal(bf16, F.linear(h.bfloat16(), w.bfloat16()).float())
+    assert (bf16 - head_logits(h, w, "float32")).abs().max() > 1e-3
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser, "sft")  # --head-precision offers exactly these
+    assert set(next(a for a in parser._actions if a.dest == "head_precision").choices) == set(HEAD_PRECISIONS)
+
+
+def test_tf32_is_set_for_the_heads_matmuls_alone_forward_and_backward():
+    # the CUDA TF32 setting is on for the head's product and its two backward products (vocabulary-wide
+    # outputs, or the gradient of the hidden states), off for the trunk's, and restored after; on CPU the
+    # numbers are float32's, gradients included
+    m = tiny().train()
+    x, y = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    before = torch.backends.cuda.matmul.fp32_precision
+    with MatmulPrecisions() as rec:
+        m.head_precision = "tf32"
+        lp = m(x, y)
+        lp.sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    head = [setting for width, setting in rec.seen if width in (97, m.config.n_embd) and setting == "tf32"]
+    assert len(head) >= 3 and {s for _, s in rec.seen if s == "tf32"} and any(s != "tf32" for _, s in rec.seen)
+    assert all(width in (97, m.config.n_embd) for width, s in rec.seen if s == "tf32")
+    m.zero_grad()
+    m.head_precision = "float32"
+    torch.testing.assert_close(lp, m(x, y), atol=0, rtol=0)
+    m(x, y).sum().backward()
+    for got, want in zip(grads, [p.grad for p in m.parameters()]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_head_logprobs_are_its_logits_log_softmax_in_float32():
+    # vocab_logprobs in bf16: the log-softmax of head_logits's float32 logits (not a bf16 log-sum-exp)
+    torch.manual_seed(0)
+    h, w, t = torch.randn(1, 5, 32), torch.randn(97, 32) / 3, torch.randint(0, 97, (1, 5))
+    lp = vocab_logprobs(h, w, t, precision="bf16")
+    want = head_logits(h[0], w.bfloat16(), "bf16").log_softmax(-1).gather(-1, t[0][:, None]).squeeze(-1)
+    torch.testing.assert_close(lp[0], want, atol=1e-6, rtol=0)
 
 
 def test_process_logits_top_k_top_p_support():
