@@ -239,17 +239,18 @@ def _sum_allreduce_hook(state, bucket):
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def shard_model(model):
+def shard_model(model, param_dtype=None):
     """FSDP2 in place (torch.distributed.fsdp.fully_shard): each decoder block, then the root, so that
     parameters, gradients and AdamW state are split across ranks and a block's weights are gathered only
-    for its own forward and backward. On CUDA the forward computes in bf16 from float32 master shards and
-    gradients are reduced in float32. Gradients are SUMMED (the loss is already divided by the global
+    for its own forward and backward. The forward computes in param_dtype (default: the compute dtype, bf16
+    on CUDA) from float32 master shards, and gradients are reduced in float32 (fsdp_param_dtype reads it back:
+    the engine samples with the weights as the trainer's forward sees them). Gradients are SUMMED (the loss is already divided by the global
     normalizer): set_gradient_divide_factor(1.0) on every FSDP module (the call is not recursive) and, on
     gloo, set_force_sum_reduction_for_comms(True). Returns the model (its class becomes FSDP<class>)."""
     if isinstance(model, FSDPModule):
         return model
     dev = _DIST.device
-    low = compute_dtype(dev)
+    low = param_dtype or compute_dtype(dev)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else \
         MixedPrecisionPolicy()
     for block in model.model.layers:
@@ -275,6 +276,13 @@ def wrap_model(model, fsdp=False):
               forward_sync_buffers=False, gradient_as_bucket_view=True)  # rank 0's weights broadcast here
     ddp.register_comm_hook(None, _sum_allreduce_hook)
     return ddp
+
+
+def fsdp_param_dtype(model):
+    """The dtype in which FSDP2 gathers a sharded model's parameters for its forward (its MixedPrecisionPolicy's
+    param_dtype: bf16 on CUDA, see shard_model), or None: not sharded, or gathered as stored."""
+    model = unwrap(model)
+    return model._get_fsdp_state()._mp_policy.param_dtype if isinstance(model, FSDPModule) else None
 
 
 def unwrap(model):

@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common import compute_dtype, unwrap
+from common import compute_dtype, fsdp_param_dtype, unwrap
 from lora import LoRALinear, add_lora, lora_layers
 from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, process_logits, rms_norm
 from tokenizer import parse_tool_calls
@@ -273,7 +273,9 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.tools = tools or {}
-        self.dtype = dtype or compute_dtype(unwrap(model).device)
+        # the dtype of the weights, the residual stream and the KV cache: as the trainer's forward computes, which
+        # under FSDP2 is its parameters' gathered dtype (bf16 on CUDA), else the compute dtype
+        self.dtype = dtype or fsdp_param_dtype(model) or compute_dtype(unwrap(model).device)
         self._prepared = None
         self._frozen = None  # a snapshot's weights, fixed (Engine.snapshot)
         self.call_end_id = None
@@ -310,8 +312,10 @@ class Engine:
             model.rope_cos = master.rope_cos.to(self.dtype)
             model.rope_signed_sin = master.rope_signed_sin.to(self.dtype)
             model.head_precision = master.head_precision  # the trainer's: one function for both (head_logits)
-        # no copy when the master is already in the head's dtype (float32, on CPU or for the float32 head)
-        head = _full_weight(master.lm_head.weight).to(HEAD_PRECISIONS[master.head_precision])
+        # the head as the trainer's forward sees it (under FSDP2 gathered in its param dtype, rounded), then in the
+        # head precision's dtype; no copy when the master is already that (float32, on CPU or for the float32 head)
+        head = _full_weight(master.lm_head.weight).to(fsdp_param_dtype(master) or master.lm_head.weight.dtype)
+        head = head.to(HEAD_PRECISIONS[master.head_precision])
         if copy and head.data_ptr() == master.lm_head.weight.data_ptr():
             head = head.clone()
         return Prepared(model=model, weights=decode_weights(model, head), head=head, versions=_versions(master))
