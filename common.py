@@ -243,10 +243,11 @@ def shard_model(model, param_dtype=None):
     """FSDP2 in place (torch.distributed.fsdp.fully_shard): each decoder block, then the root, so that
     parameters, gradients and AdamW state are split across ranks and a block's weights are gathered only
     for its own forward and backward. The forward computes in param_dtype (default: the compute dtype, bf16
-    on CUDA) from float32 master shards, and gradients are reduced in float32 (fsdp_param_dtype reads it back:
-    the engine samples with the weights as the trainer's forward sees them). Gradients are SUMMED (the loss is already divided by the global
-    normalizer): set_gradient_divide_factor(1.0) on every FSDP module (the call is not recursive) and, on
-    gloo, set_force_sum_reduction_for_comms(True). Returns the model (its class becomes FSDP<class>)."""
+    on CUDA) from float32 master shards, and gradients are reduced in float32 (fsdp_param_dtype reads it
+    back: the engine samples with the weights as the trainer's forward sees them). Gradients are SUMMED
+    (the loss is already divided by the global normalizer): set_gradient_divide_factor(1.0) on every FSDP
+    module (the call is not recursive) and, on gloo, set_force_sum_reduction_for_comms(True). Returns the
+    model (its class becomes FSDP<class>)."""
     if isinstance(model, FSDPModule):
         return model
     dev = _DIST.device

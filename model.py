@@ -13,7 +13,8 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
   fast decode step, engine.decode_step, is the same step as one flat function over fused weights).
 - `forward(idx, targets)` gives per-token log-probs (and entropies) in float32, chunk by chunk over the
   graded positions only (`vocab_logprobs`), so no (B, T, V) tensor is ever built in training; the SFT
-  loss is its negation. The head's matmul runs in `head_precision` (`head_logits`), as the engine's does. `grad_checkpointing = True` recomputes each block's activations in backward.
+  loss is its negation. The head's matmul runs in `head_precision` (`head_logits`), as the engine's does.
+  `grad_checkpointing = True` recomputes each block's activations in backward.
 - `GPTConfig.head = "scalar"` swaps the vocabulary head for a one-number head (`score`), as reward
   models and critics need; everything below the head is the same code.
 - Bad shapes raise ValueError; loading and saving Hugging Face folders is checkpoint.py's, LoRA lora.py's.

@@ -81,7 +81,7 @@ MUTANTS = [
            "_full_weight(master.lm_head.weight).to(fsdp_param_dtype(master) or master.lm_head.weight.dtype)",
            "_full_weight(master.lm_head.weight).to(master.lm_head.weight.dtype)",
            ("tests/test_engine.py::test_fsdp_engine_samples_with_the_weights_and_dtype_the_trainer_computes_in",),
-           "under --fsdp with bf16 parameters the engine's head is the float32 master, the trainer's the bf16 one (#51)"),
+           "under --fsdp with bf16 parameters the engine's head is the float32 master, the trainer's bf16 (#51)"),
     Mutant("engine-fsdp-residual-in-compute-dtype", "engine.py",
            "self.dtype = dtype or fsdp_param_dtype(model) or compute_dtype(unwrap(model).device)",
            "self.dtype = dtype or compute_dtype(unwrap(model).device)",
