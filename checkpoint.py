@@ -228,6 +228,8 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
     if missing:
         raise UserError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
     model._init_rope(device)
+    if lora and shard is None:  # the frozen base's q/k/v and gate/up in one tensor each, which the engine shares
+        model.fuse_projections()
     return model if shard is not None else model.to(device)  # (.to would replace FSDP's sharded parameters)
 
 

@@ -56,10 +56,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
-from common import compute_dtype, fsdp_param_dtype, unwrap
+from common import compute_dtype, unwrap
 from lora import LoRALinear, add_lora, lora_layers
-from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, process_logits, rms_norm
+from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, process_logits, rms_norm, stacked_rows
 from tokenizer import parse_tool_calls
 
 
@@ -153,9 +154,9 @@ def decode_weights(model, head=None):
                         fused_low_rank([a.o_proj]), fused_low_rank([mlp.gate_proj, mlp.up_proj]),
                         fused_low_rank([mlp.down_proj]))
         # o and down are applied as addmm(residual, y, W.T): the residual add rides in the matmul
-        layers.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
+        layers.append((layer.input_layernorm.weight, stacked_rows([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
                        a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
-                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t(), low_rank))
+                       stacked_rows([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t(), low_rank))
     precision = model.head_precision
     head = model.lm_head.weight.to(HEAD_PRECISIONS[precision]) if head is None else head
     return {"layers": layers, "head": head, "head_precision": precision}
@@ -241,6 +242,13 @@ def _full_weight(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
+def fsdp_param_dtype(model):
+    """The dtype in which FSDP2 gathers a sharded model's parameters for its forward (its MixedPrecisionPolicy's
+    param_dtype: bf16 on CUDA, common.shard_model), or None: not sharded, or gathered as stored."""
+    model = unwrap(model)
+    return model._get_fsdp_state()._mp_policy.param_dtype if isinstance(model, FSDPModule) else None
+
+
 @dataclass
 class Prepared:
     """What generate decodes with (Engine.prepare)."""
@@ -308,6 +316,7 @@ class Engine:
                 setattr(model.get_submodule(module_name), attr, nn.Parameter(w, requires_grad=False))
             if master.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
+            model.fuse_projections()  # q/k/v and gate/up as one tensor each: decode_weights then copies nothing
             # the RoPE tables in the compute dtype too, so no step casts them
             model.rope_cos = master.rope_cos.to(self.dtype)
             model.rope_signed_sin = master.rope_signed_sin.to(self.dtype)
