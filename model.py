@@ -123,6 +123,8 @@ class KVCache:
         self.doc = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
+        # the length on the device too, which a captured decode step reads and advances (engine.decode_step)
+        self.end = torch.zeros(1, dtype=torch.long, device=device)
         self.max_len = max_len
         self.isolated = True  # whether a decode step must mask other documents (set at prefill)
 
@@ -155,9 +157,16 @@ class KVCache:
         self.v[layer, :, :, :t1].unflatten(0, (B, rows // B)).copy_(v[:, None])
         return k, v
 
+    def append_at_end(self, layer: int, k, v, length: int):
+        """A decode step's k, v (B, H_kv, 1, D) written at position `end` (a device index: no Python int in a
+        captured step); returns the layer's first `length` positions, past `end` too (a bucket: see decode_step)."""
+        self.k[layer].index_copy_(2, self.end, k)
+        self.v[layer].index_copy_(2, self.end, v)
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+
     def keep_rows(self, rows):
-        """Keep only these batch rows (ascending indices), moved to the front in place, one layer at a time:
-        dropping rows never allocates a second cache (the storage stays; the rows behind are left unused)."""
+        """Keep only these batch rows (any order), moved to the front in place, one layer at a time: dropping
+        rows never allocates a second cache (the storage stays; the rows behind are left unused)."""
         n, t = rows.numel(), self.length
         for layer in range(self.k.size(0)):
             self.k[layer, :n, :, :t] = self.k[layer, rows, :, :t]
@@ -217,11 +226,8 @@ class PackedDocuments:
     Example: doc_ids [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]] (flat tokens 0..11: documents of 3, 2, 1, 4
     and 2 tokens) gives three batches, [[6, 7, 8, 9], [0, 1, 2, 2]] (4 and 3 tokens, padded to 4),
     [[3, 4], [10, 11]] and [[5]]; `inverse`, each flat token's place among the batches' outputs concatenated
-    (8 + 4 + 1 rows), is [4, 5, 6, 8, 9, 12, 0, 1, 2, 3, 10, 11].
-
-    torch 2.13 has no document masking that runs forward and backward on both devices otherwise: FlexAttention
-    has no backward on CPU (and its eager forward builds the scores), varlen_attn runs only on CUDA
-    (benchmarks/bench_packed_attention.py; docs/speed.md)."""
+    (8 + 4 + 1 rows), is [4, 5, 6, 8, 9, 12, 0, 1, 2, 3, 10, 11]. (Why not FlexAttention or varlen_attn, which
+    torch 2.13 runs backward only on CUDA: docs/speed.md.)"""
     batches: list            # per batch, (documents, padded length): the flat token index (row * T + column)
     inverse: torch.Tensor    # (B * T,): each token's row in the batches' outputs, flattened and concatenated
 
@@ -334,8 +340,7 @@ def head_logits(hidden, weight, precision="float32"):
                accumulation), for this matmul alone, forward and backward (CUDA; on CPU it is float32)
       bf16     bfloat16 inputs and output, float32 accumulation inside the matmul
     The logits come out float32 in every case, so every log-sum-exp over them accumulates in float32. The
-    weight is cast to HEAD_PRECISIONS[precision] by the caller, once per call (a (V, C) cast per chunk or
-    per decoded token would cost more than the head). Run outside autocast (the caller's)."""
+    caller casts the weight to HEAD_PRECISIONS[precision] once (not per chunk or token), outside autocast."""
     h = hidden.to(HEAD_PRECISIONS[precision])
     logits = TF32Linear.apply(h, weight) if precision == "tf32" else F.linear(h, weight)
     return logits.float()
@@ -353,9 +358,8 @@ def tf32_matmuls():
 
 
 class TF32Linear(torch.autograd.Function):
-    """F.linear(x, w) of 2-D float32 x with each of its matmuls, forward and backward, under tf32_matmuls.
-    Autograd runs the backward after a block around the call has closed: without this, the backward's two
-    matmuls (two thirds of the head's FLOPs) would run in full float32."""
+    """F.linear(x, w), 2-D float32 x, each matmul under tf32_matmuls: autograd runs the backward after a block
+    around the call has closed, so its two matmuls (two thirds of the head's FLOPs) would run in float32."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -532,6 +536,7 @@ class GPT(nn.Module):
                 x = block(x, cos, sin, mask, kv_cache, i)
         if kv_cache is not None:
             kv_cache.length += T
+            kv_cache.end.fill_(kv_cache.length)
         return self.model.norm(x)
 
     # -- the heads ---------------------------------------------------------------------------

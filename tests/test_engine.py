@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from checkpoint import load_hf, save_hf
 from common import autocast, cleanup_dist, init_dist, shard_model
 import engine
-from engine import Engine, run_tool_calls, sample_next
+from engine import Engine, length_bucket, run_tool_calls, sample_next
 from model import GPT, GPTConfig, KVCache, process_logits
 from tasks import TOOLS
 from test_dist import _env, free_port
@@ -421,27 +421,81 @@ def test_fsdp_engine_samples_with_the_weights_and_dtype_the_trainer_computes_in(
         assert got["mean_logprob"] < -0.5 and got["gap_mean"] < 0.01, got
 
 
-def run_with_compaction(eng, compact_at, **kwargs):
-    eng.compact_at = compact_at
-    return eng.generate(**kwargs, return_stats=True)
-
-
-def test_compaction_and_masking_give_the_same_completions(tok, peaked):
-    # rows stop at different steps; compacting at every stop, at half (the default) or never (finished rows
-    # stay masked to the end) changes which rows the batch computes, never what any completion gets
+def test_compaction_into_power_of_two_buckets_and_sparse_checks_give_the_same_completions(tok, peaked, monkeypatch):
+    # rows stop at different steps; finished rows left masked to the end (no compaction), leaving the batch once
+    # half of it or less is live (eager), or when the live ones fit a smaller power of two (the compiled step's
+    # buckets), read by the host every step (CPU's default) or every 8 steps (CUDA's), change which rows the batch
+    # computes, never what any completion gets
+    sizes = []
+    keep_rows = KVCache.keep_rows
+    monkeypatch.setattr(KVCache, "keep_rows", lambda self, rows: sizes.append(rows.numel()) or keep_rows(self, rows))
     eng = Engine(peaked, StopAt(tok, range(40, 60)))
-    kwargs = dict(prompts=prompts_of(tok, 4), num_samples=4, max_new_tokens=40, temperature=1.0, seed=5)
-    (never, s_never), (half, s_half), (each, s_each) = (run_with_compaction(eng, c, **kwargs) for c in (0.0, 0.5, 1.0))
+    kwargs = dict(prompts=prompts_of(tok, 3), num_samples=4, max_new_tokens=40, temperature=1.0, seed=5)  # 12 rows
+    runs = {}
+    for name, compact, buckets, every in (("never", False, False, 1), ("at half", True, False, 1),
+                                           ("buckets", True, True, 1), ("buckets, every 8", True, True, 8)):
+        eng.compact, eng.buckets, eng.check_every = compact, buckets, every
+        sizes.clear()
+        outs, stats = eng.generate(**kwargs, return_stats=True)
+        runs[name] = outs, stats["compactions"], list(sizes)
+    never = runs["never"][0]
     lengths = [len(o.tokens) for o in never]
     assert len(set(lengths)) > 5 and {o.finish_reason for o in never} == {"stop", "length"}
-    assert s_never["compactions"] == 0 < s_half["compactions"] < s_each["compactions"]
-    for other in (half, each):
-        for a, b in zip(never, other):
+    assert runs["never"][1] == 0 < runs["buckets, every 8"][1] <= runs["buckets"][1]
+    assert runs["at half"][1] > 0 and any(n & (n - 1) for n in runs["at half"][2])  # sizes as the live rows come
+    for name in ("buckets", "buckets, every 8"):  # 12 rows, then powers of two
+        _, count, batch_sizes = runs[name]
+        assert len(batch_sizes) == count and all(n & (n - 1) == 0 for n in batch_sizes)
+        assert batch_sizes == sorted(set(batch_sizes), reverse=True) and batch_sizes[0] < 12
+    for name in ("at half", "buckets", "buckets, every 8"):
+        for a, b in zip(never, runs[name][0]):
             assert (a.tokens, a.mask, a.finish_reason, a.prompt_index) == (b.tokens, b.mask, b.finish_reason, b.prompt_index)
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
     for o in never:  # nothing after a stop
         assert o.finish_reason == "length" or (o.tokens[-1] in range(40, 60) and
                                                not set(o.tokens[:-1]) & set(range(40, 60)))
+
+
+def test_the_host_reads_the_batch_every_check_every_steps(peaked, monkeypatch):
+    # a decode step does no host work; the host reads how many rows are live every check_every steps (8 on CUDA),
+    # not at every step, and the rest once at the end: 40 steps read 5 times, plus the prefill's and the results'
+    reads = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.numel()) or tolist(self))
+    eng = Engine(peaked, NoStopTokenizer())
+    prompts = torch.randint(1, peaked.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0)).tolist()
+    for every, most in ((1, 40 + 6), (8, 5 + 6)):
+        eng.check_every = every
+        reads.clear()
+        outs = eng.generate(prompts, num_samples=2, max_new_tokens=40, seed=0)
+        assert all(len(o.tokens) == 40 for o in outs)
+        assert every == 1 and len(reads) >= 40 or len(reads) <= most, (every, len(reads))
+
+
+def test_length_buckets_are_powers_of_two_up_to_the_cache():
+    assert [length_bucket(n, 40) for n in (1, 2, 3, 8, 9, 16, 17, 33, 40)] == [1, 2, 4, 8, 16, 16, 32, 40, 40]
+
+
+@pytest.mark.slow  # a compile on CPU, ~20 s cold
+def test_the_compiled_decode_step_equals_eager_one_graph_per_bucket(peaked):
+    # Engine(compile=True): torch.compile(mode="reduce-overhead") of the decode step, attending over power-of-two
+    # length buckets (CUDA graphs on a GPU; on CPU no graph is captured, but the compiled step is the same code):
+    # the same tokens and log-probs as eager, and one compiled graph per length bucket, none per step
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    prompts = torch.randint(1, peaked.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts[1] = prompts[1][:4]  # left padding: the isolating mask is on
+    kwargs = dict(num_samples=2, max_new_tokens=12, seed=0)
+    eager = Engine(peaked, NoStopTokenizer()).generate(prompts, **kwargs)
+    compiled_engine = Engine(peaked, NoStopTokenizer(), compile=True)
+    compiled = compiled_engine.generate(prompts, **kwargs)
+    again = compiled_engine.generate(prompts, **kwargs)
+    for a, b, c in zip(eager, compiled, again):
+        assert a.tokens == b.tokens == c.tokens
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    # cache lengths 8 to 19: buckets 8, 16 and 19 (the cache's own length), each compiled once, not again
+    assert counters["stats"]["unique_graphs"] == 3
 
 
 def test_no_second_cache_is_built(tok):

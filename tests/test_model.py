@@ -137,6 +137,29 @@ def test_decode_step_equals_the_cached_forward(qk_norm):
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=0)
 
 
+def test_a_step_over_a_length_bucket_equals_the_exact_step():
+    # the compiled decode step attends over a power-of-two bucket of the cache (engine.length_bucket), its positions
+    # past the new token empty: masked, they change nothing. Prompts without doc_ids (every position document 0,
+    # as the empty ones are) and rows dropped mid-way; the bucketed step run eagerly
+    m = tiny()
+    ids = torch.randint(1, 97, (3, 5))
+    caches = [KVCache(m.config, 3, 40, "cpu", torch.float32) for _ in range(2)]
+    weights = decode_weights(m)
+    with torch.no_grad():
+        for cache in caches:
+            m(ids, kv_cache=cache)
+        x = torch.randint(0, 97, (3,))
+        for t in range(30):  # cache lengths 6 to 35: buckets 8, 16, 32 and 40
+            if t == 10:
+                for cache in caches:
+                    cache.keep_rows(torch.tensor([2, 0]))
+                x = x[[2, 0]]
+            want = decode_step(m, x, caches[0], weights)
+            got = decode_step(m, x, caches[1], weights, bucketed=True)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            x = want.argmax(-1)
+
+
 def reference_logprobs(logits, y, temperature=1.0, top_k=None, top_p=None):
     """log softmax of the full (B, T, V) logits, written from the definition (not model.process_logits):
     top-k keeps the k largest; top-p keeps, largest first, each token whose larger tokens hold less than p."""
