@@ -150,6 +150,7 @@ def main():
         broadcast_parameters(model)  # ranks were seeded apart: every rank starts from rank 0's weights
     model = wrap_model(model, fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
+    unwrap(model).head_precision = args.head_precision
     optimizer = make_optimizer(model, args.lr, args.weight_decay)
     start_step = resume_state(ckpt, optimizer, model)["step"]
     print0(f"model: {unwrap(model).num_params():,} parameters, {config}")

@@ -202,14 +202,16 @@ def main():
                                       cuda=device.type == "cuda"), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights
-    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype), fsdp=args.fsdp)
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
+                                  head_precision=args.head_precision), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     peak_lr = learning_rate(args.lr, "rl", unwrap(model))
     optimizer = make_optimizer(model, peak_lr)
     state = resume_state(ckpt, optimizer, model)  # train_seconds: in steps, evaluation excluded (--time-budget)
     start_step, train_clock = state["step"], state["train_seconds"]
     # the teacher: frozen, in the compute dtype, sharded too under --fsdp
-    teacher = load_model(teacher_path, dtype=compute_dtype(device), fsdp=args.fsdp).eval().requires_grad_(False)
+    teacher = load_model(teacher_path, dtype=compute_dtype(device), fsdp=args.fsdp,
+                         head_precision=args.head_precision).eval().requires_grad_(False)
     grader = Grader("verifier", tok, device)  # only logged: the teacher's log-probs are the signal
     tools = TOOLS if args.tools else None
     sampler = Engine(unwrap(model if args.mode == "on-policy" else teacher), tok, tools=tools)

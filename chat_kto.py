@@ -159,7 +159,8 @@ def main():
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora_options(args)),
+    model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora_options(args),
+                                  head_precision=args.head_precision),
                        fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:
         train_rows = sampled_pairs(model, tok, num_prompts=args.num_train, samples=args.samples,
@@ -184,7 +185,8 @@ def main():
                                                   tools=args.tools)
     if ckpt:
         model = wrap_model(load_model(ckpt, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                      lora=lora_options(args, resume=True)), fsdp=args.fsdp)
+                                      lora=lora_options(args, resume=True), head_precision=args.head_precision),
+                           fsdp=args.fsdp)
         if ref_model is not None and args.lora_rank:  # the reloaded policy, with its adapters off
             ref_model = reference_model(model, init, args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing

@@ -284,7 +284,8 @@ def main():
     peak_memory.check(memory_estimate(args, init, prompt_len=prompt_len, world_size=dist.world_size,
                                       cuda=device.type == "cuda"), device)
     actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True)), fsdp=args.fsdp)
+                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True),
+                                  head_precision=args.head_precision), fsdp=args.fsdp)
     # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (docs/lora.md)
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp,
                                    save_dtype=args.save_dtype,

@@ -349,7 +349,8 @@ def main():
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True)), fsdp=args.fsdp)
+                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True),
+                                  head_precision=args.head_precision), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     peak_lr = learning_rate(args.lr, "rl", unwrap(model))
     optimizer = make_optimizer(model, peak_lr)

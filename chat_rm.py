@@ -249,7 +249,7 @@ def main():
     # a fresh score head starts at 0: every reward 0 at step 0
     # float32 master weights (LoRA: a frozen base in the compute dtype, float32 adapters and score head)
     model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp, save_dtype=args.save_dtype,
-                       lora=lora_options(args, resume=bool(ckpt)))
+                       lora=lora_options(args, resume=bool(ckpt)), head_precision=args.head_precision)
     model.grad_checkpointing = args.grad_checkpointing
     if args.lm_coef:
         attach_vocab_head(model, init)

@@ -175,7 +175,8 @@ def main():
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
     model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt))), fsdp=args.fsdp)
+                                  lora=lora_options(args, resume=bool(ckpt)), head_precision=args.head_precision),
+                       fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     peak_lr = learning_rate(args.lr, "sft", unwrap(model))
     optimizer = make_optimizer(model, peak_lr, args.weight_decay)

@@ -229,6 +229,8 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
     if missing:
         raise UserError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
     model._init_rope(device)
+    if lora and shard is None:  # the frozen base's q/k/v and gate/up in one tensor each, which the engine shares
+        model.fuse_projections()
     return model if shard is not None else model.to(device)  # (.to would replace FSDP's sharded parameters)
 
 
@@ -305,18 +307,21 @@ def save_hf(model, path, tokenizer=None, dtype=None, max_shard_bytes=5 * 2**30):
 # ------------------------------------------------------------------------------------------------
 # What a stage trains, and the start it is compared with
 
-def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None, save_dtype="auto"):
+def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None, save_dtype="auto",
+               head_precision="float32"):
     """A model folder loaded for this rank, on its device: whole, or with fsdp=True under torchrun built
     sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor. `path` may be a
     LoRA adapter folder (merged into its base in float32). lora (lora_options): LoRA training, the base
     frozen in the compute dtype with float32 adapters on top (lora.add_lora). save_dtype (--save-dtype):
-    the dtype its checkpoints ship in; "auto", the folder's own (bfloat16 for a Qwen3 download)."""
+    the dtype its checkpoints ship in; "auto", the folder's own (bfloat16 for a Qwen3 download).
+    head_precision (--head-precision): the LM head's matmul, in training and in the engine (model.head_logits)."""
     shard = shard_model if fsdp and dist_info().world_size > 1 else None
     if lora:
         dtype = compute_dtype(dist_info().device)
     model = load_hf(path, dtype=dtype, device=dist_info().device, head=head, shard=shard, lora=lora)
     if save_dtype != "auto":
         model.config.dtype = save_dtype
+    model.head_precision = head_precision
     if lora:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         print0(f"LoRA rank {model.lora['r']} (alpha {model.lora['alpha']:g}) on {','.join(model.lora['targets'])}: "
@@ -329,10 +334,12 @@ def reference_model(model, init, fsdp=False):
     """The frozen start a loss compares with: for a LoRA run the policy itself, to be called under
     lora.adapters_off (an --init adapter was merged into the base, so the base IS the start, and nothing is
     loaded twice); else `init` loaded again, frozen, in the compute dtype. A no-op adapters_off on it
-    costs nothing, so a stage writes `with adapters_off(ref): ref(...)` for both."""
+    costs nothing, so a stage writes `with adapters_off(ref): ref(...)` for both. Its head runs in the
+    policy's head precision: the two log-probs of a KL or a DPO margin are then the same function."""
     if getattr(unwrap(model), "lora", None):
         return unwrap(model)
-    return load_model(init, dtype=compute_dtype(dist_info().device), fsdp=fsdp).eval().requires_grad_(False)
+    return load_model(init, dtype=compute_dtype(dist_info().device), fsdp=fsdp,
+                      head_precision=unwrap(model).head_precision).eval().requires_grad_(False)
 
 
 # ------------------------------------------------------------------------------------------------

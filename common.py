@@ -291,17 +291,19 @@ def _sum_allreduce_hook(state, bucket):
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def shard_model(model):
+def shard_model(model, param_dtype=None):
     """FSDP2 in place (torch.distributed.fsdp.fully_shard): each decoder block, then the root, so that
     parameters, gradients and AdamW state are split across ranks and a block's weights are gathered only
-    for its own forward and backward. On CUDA the forward computes in bf16 from float32 master shards and
-    gradients are reduced in float32. Gradients are SUMMED (the loss is already divided by the global
-    normalizer): set_gradient_divide_factor(1.0) on every FSDP module (the call is not recursive) and, on
-    gloo, set_force_sum_reduction_for_comms(True). Returns the model (its class becomes FSDP<class>)."""
+    for its own forward and backward. The forward computes in param_dtype (default: the compute dtype, bf16
+    on CUDA) from float32 master shards, and gradients are reduced in float32 (engine.fsdp_param_dtype reads
+    it back: the engine samples with the weights as the trainer's forward sees them). Gradients are SUMMED
+    (the loss is already divided by the global normalizer): set_gradient_divide_factor(1.0) on every FSDP
+    module (the call is not recursive) and, on gloo, set_force_sum_reduction_for_comms(True). Returns the
+    model (its class becomes FSDP<class>)."""
     if isinstance(model, FSDPModule):
         return model
     dev = _DIST.device
-    low = compute_dtype(dev)
+    low = param_dtype or compute_dtype(dev)
     policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low != torch.float32 else \
         MixedPrecisionPolicy()
     for block in model.model.layers:
@@ -409,12 +411,19 @@ def peak_memory_mb(device):
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _RSS_AT_START) / 2**20  # Linux: KiB
 
 
+_NONFINITE = {}  # this rank's first NaN/inf loss since its last optimizer step: "row" = (step, value)
+_NOT_TRAINED = "Lower the learning rate or check the data; the last checkpoint is intact and --resume restarts from it"
+
+
 def check_finite(loss, step):
-    """A NaN/inf loss is caught before its backward, never trained on: the run stops with one line naming
-    the step, and the last checkpoint, written before it, is intact."""
+    """A NaN/inf loss is never trained on: the run stops with one line naming the step (under torchrun, and the
+    ranks), and the last checkpoint, written before it, is intact. One process stops here, before the backward.
+    Under torchrun a rank stopping alone would leave the others waiting in the backward's collectives, itself
+    unheard (only rank 0 prints): it notes the loss and runs its backward, and optimizer_step stops every rank."""
     if not torch.isfinite(loss).all():
-        raise UserError(f"step {step}: the loss is {loss.item()}; not training on it. Lower the learning rate or "
-                        f"check the data; the last checkpoint is intact and --resume restarts from it")
+        if _DIST.world_size == 1:
+            raise UserError(f"step {step}: the loss is {loss.item()}; not training on it. {_NOT_TRAINED}")
+        _NONFINITE.setdefault("row", (step, loss.item()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -494,8 +503,16 @@ def progress(iterable, **kwargs):
 
 
 def optimizer_step(model, optimizer, grad_clip):
-    """Clip, step, zero (DDP and FSDP2 have already summed the gradients over ranks in backward).
-    Returns the gradient norm before clipping (over all ranks' shards under FSDP2)."""
+    """Clip, step, zero (DDP and FSDP2 have already summed the gradients over ranks in backward); under
+    torchrun first stop every rank if any rank's loss was not finite (check_finite). Returns the gradient norm
+    before clipping (over all ranks' shards under FSDP2)."""
+    if _DIST.world_size > 1:  # every rank stops together if any rank's loss was NaN/inf (check_finite)
+        seen = torch.zeros(_DIST.world_size, 2, dtype=torch.float64, device=_DIST.device)
+        seen[_DIST.rank] = torch.tensor(_NONFINITE.pop("row", (0, 0)), dtype=torch.float64)
+        dist.all_reduce(seen)  # one row per rank, the others' 0 (nan + 0 is nan)
+        if bad := [(r, step, value) for r, (step, value) in enumerate(seen.tolist()) if step > 0]:
+            raise UserError(f"step {int(bad[0][1])}: the loss is {', '.join(f'{v} on rank {r}' for r, _, v in bad)} "
+                            f"of {_DIST.world_size}; not training on it. {_NOT_TRAINED}")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # a DTensor: the norm of the sharded gradients
         norm = norm.full_tensor()

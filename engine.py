@@ -8,12 +8,12 @@ Batched KV-cache sampling on the training device, token in, token out.
 The weights it samples with. `Engine.prepare()` reads the model once, parameter by parameter through
 `_full_weight`, into everything the decode loop uses: a plain (unwrapped) model in the compute dtype
 (bfloat16 on CUDA, float32 on CPU; `Engine(..., dtype=)` overrides), the fused decode weights of
-`decode_weights`, and the LM head in float32. Master weights already plain and in that dtype (float32
-on CPU) are shared, not copied. Nothing is cast while decoding and no autocast is entered: the KV cache
-is in the compute dtype too. The logits sampled from are `F.linear(h.float(), head_fp32)`, the final hidden
-state cast to float32 times the float32 head, which is how the trainer computes its log-probs: the output
-head is the main source of sampler/trainer mismatch in bfloat16 (MiniMax-M1, arXiv:2506.13585;
-PrimeIntellect-ai/prime-rl#2438).
+`decode_weights`, and the LM head in the dtype of the model's head precision (`GPT.head_precision`:
+float32 by default). Master weights already plain and in that dtype (float32 on CPU) are shared, not
+copied. Nothing is cast while decoding and no autocast is entered: the KV cache is in the compute dtype
+too. The logits sampled from are `model.head_logits(h, head, model.head_precision)`, the function and the
+setting with which the trainer computes its log-probs: the output head is the main source of
+sampler/trainer mismatch in bfloat16 (MiniMax-M1, arXiv:2506.13585; PrimeIntellect-ai/prime-rl#2438).
 
 A LoRA model (lora.LoRALinear) is sampled with its adapters unmerged: the frozen base, already in the
 compute dtype, is shared; the adapters are cast to it, and decode_step adds each fused layer's low-rank
@@ -35,10 +35,15 @@ of its own (so no prompt token ever attends to it, and positions start at 0 at e
 and prefilled once, into a cache of P * num_samples rows allocated once: each prompt's keys and values
 go straight to its num_samples rows. Then one decode step per token for the whole batch. A row stops at
 any stop id (<|im_end|>, <|endoftext|>); a stopped row stays in the batch, masked, its outputs ignored,
-and the batch is compacted in place only when the live rows fall to half or fewer: at most log2(rows)
-compactions, each moving at most half the cache, and never a second cache. Tokens, log-probs, masks and
-stop flags live on the device in preallocated buffers; the host reads one small tensor per step (how
-many rows are live, whether one called a tool) and everything else once, at the end.
+and the batch is compacted in place when the live rows fall to half or fewer (compiled: when they fit a
+smaller power of two, so that the batch sizes are the prompts' rows, then powers of two, each a shape the
+compiled step captures once): at most log2(rows) compactions, each moving at most half the cache, and never
+a second cache. Tokens, log-probs, masks and
+stop flags live on the device in preallocated buffers; the host reads one small tensor (how many rows are
+live, whether one called a tool) every `check_every` steps (every step on CPU, where it costs nothing, or
+with tools or a stream), and everything else once, at the end. Engine(compile=True) runs the decode step
+compiled (torch.compile, mode "reduce-overhead": CUDA graphs on a GPU), off by default until
+runs/gpu_check.sh shows it equal and faster.
 
 Sampling is exact at any vocabulary size: an inverse CDF in float64 (see sample_next).
 
@@ -50,16 +55,18 @@ and log-prob 0, then the row samples again. The completion is therefore the very
 trainer will score: nothing is decoded to text and re-tokenized.
 """
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import compute_dtype, unwrap
 from lora import LoRALinear, add_lora, lora_layers
-from model import GPT, KVCache, apply_rope, process_logits, rms_norm
+from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, process_logits, rms_norm, stacked_rows
 from tokenizer import parse_tool_calls
 
 
@@ -131,9 +138,9 @@ def decode_weights(model, head=None):
     """The weights decode_step reads: per layer, fused, the q, k and v projections as one matrix, gate
     and up as one, the q/k-norm gains as one (H + H_kv, D) table, attention's 1/sqrt(D) folded into q
     (into q's norm gain when there is one: the norm would undo it on the weights); and `head`, the
-    (V, C) float32 matrix the logits come from (default: this model's lm_head in float32; the engine
-    passes the master weights' own). A copy in this model's dtype: build it again whenever the weights
-    change (Engine.prepare does: one pass over them)."""
+    (V, C) matrix the logits come from, in the dtype of this model's head_precision (default: this
+    model's lm_head, cast; the engine passes the master weights' own), with that precision. A copy in
+    this model's dtype: build it again whenever the weights change (Engine.prepare does: one pass over them)."""
     if model.config.head != "lm":
         raise ValueError("decode_step needs the language-model head")
     scale = model.config.head_dim ** -0.5
@@ -153,25 +160,47 @@ def decode_weights(model, head=None):
                         fused_low_rank([a.o_proj]), fused_low_rank([mlp.gate_proj, mlp.up_proj]),
                         fused_low_rank([mlp.down_proj]))
         # o and down are applied as addmm(residual, y, W.T): the residual add rides in the matmul
-        layers.append((layer.input_layernorm.weight, torch.cat([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
+        layers.append((layer.input_layernorm.weight, stacked_rows([w_q, a.k_proj.weight, a.v_proj.weight]), qk_gain,
                        a.o_proj.weight.t(), layer.post_attention_layernorm.weight,
-                       torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t(), low_rank))
-    return {"layers": layers, "head": model.lm_head.weight.float() if head is None else head}
+                       stacked_rows([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight.t(), low_rank))
+    precision = model.head_precision
+    head = model.lm_head.weight.to(HEAD_PRECISIONS[precision]) if head is None else head
+    return {"layers": layers, "head": head, "head_precision": precision}
 
-def decode_step(model, tokens, kv_cache, weights):
+def length_bucket(length, max_len):
+    """The attention length a decode step at cache length `length` reads: the next power of two (at most max_len),
+    so that the step's shapes change only when the cache crosses one, and a captured step serves a whole bucket."""
+    return min(max_len, 1 << (length - 1).bit_length())
+
+
+def decode_step(model, tokens, kv_cache, weights, *, bucketed=False, step=None):
     """Float32 logits (B, V) of one new token per row (tokens: (B,)), appended to kv_cache: the numbers
-    of F.linear(hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1].float(), weights["head"]), but
+    of head_logits(hidden_states(tokens[:, None], kv_cache=kv_cache)[:, -1], weights["head"], precision), but
     as one flat function over the fused weights of decode_weights, with q and k normed and rotated
     together and each residual add inside its matmul. A small model's decode step is mostly per-op
     overhead, and this runs about half the ops of the module forward (see benchmarks/bench_engine.py).
-    Everything runs in the dtype of this model's weights (the KV cache's too); only the head is float32."""
-    c, t = model.config, kv_cache.length
+    Everything runs in the dtype of this model's weights (the KV cache's too); the head in its precision.
+    The step itself (fused_decode, or `step`, its compiled form) reads the cache length from the device and does
+    no host work; bucketed=True attends over a whole length bucket (length_bucket), so that its shapes stay the
+    same for every length in it: one captured graph per (rows, bucket) (Engine(compile=True))."""
+    t = kv_cache.length
     if not 0 < t < kv_cache.max_len:
         raise ValueError(f"decode_step needs a prefilled KV cache with room: length {t}, max_len {kv_cache.max_len}")
+    length = length_bucket(t + 1, kv_cache.max_len) if bucketed else t + 1
+    logits = (step or fused_decode)(model, tokens, kv_cache, weights, length)
+    kv_cache.length += 1
+    return logits
+
+
+def fused_decode(model, tokens, kv_cache, weights, length):
+    """decode_step's work, attention over the cache's first `length` positions (the new token's included)."""
+    c = model.config
     B, H, Hk, D, eps = tokens.size(0), c.n_head, c.n_kv_head, c.head_dim, c.rms_norm_eps
-    doc = kv_cache.doc[:, t - 1]  # the new token continues its row's last document
-    kv_cache.doc[:, t] = doc
-    mask = (kv_cache.doc[:, :t + 1] == doc[:, None])[:, None, None] if kv_cache.isolated else None
+    end = kv_cache.end  # the new token's cache position, on the device
+    doc = kv_cache.doc.index_select(1, end - 1)  # (B, 1): the new token continues its row's last document
+    kv_cache.doc.index_copy_(1, end, doc)
+    # its own document up to itself: left padding and the bucket's empty positions past it are masked
+    mask = ((kv_cache.doc[:, :length] == doc) & (torch.arange(length, device=end.device) <= end))[:, None, None]
     pos = kv_cache.next_pos
     dtype = model.model.embed_tokens.weight.dtype
     cos = model.rope_cos[pos][:, None].to(dtype)  # (B, 1, D): the same for every head
@@ -185,20 +214,29 @@ def decode_step(model, tokens, kv_cache, weights):
         if qk_gain is not None:  # the gain differs per head: normalize, then one (H + Hk, D) multiply
             qk = rms_norm(qk, None, eps) * qk_gain
         qk = apply_rope(qk, cos, sin)
-        k_all, v_all = kv_cache.update(i, qk[:, H:, None], v[:, :, None])  # (B, Hk, t + 1, D)
+        k_all, v_all = kv_cache.append_at_end(i, qk[:, H:, None], v[:, :, None], length)  # (B, Hk, length, D)
         # each kv head's group of query heads (pre-scaled) as its query axis: one plain attention call,
         # which keeps the scores in float32 in bfloat16 too
         q = qk[:, :H].reshape(B, Hk, H // Hk, D)
-        y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=1.0)
+        with decode_attention_backend(q.device):
+            y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=1.0)
         y = y.reshape(B, H * D)
         x = add_low_rank(torch.addmm(x, y, w_o_t), y, lr_o)
         h = rms_norm(x, ln_mlp, eps)
         gate, up = add_low_rank(F.linear(h, w_gate_up), h, lr_gate_up).chunk(2, dim=-1)
         y = F.silu(gate) * up
         x = add_low_rank(torch.addmm(x, y, w_down_t), y, lr_down)
-    kv_cache.length += 1
-    kv_cache.next_pos = pos + 1
-    return F.linear(rms_norm(x, model.model.norm.weight, eps).float(), weights["head"])
+    end.add_(1)
+    pos.add_(1)
+    return head_logits(rms_norm(x, model.model.norm.weight, eps), weights["head"], weights["head_precision"])
+
+
+def decode_attention_backend(device):
+    """On CUDA, decode attention runs on the memory-efficient kernel, pinned: it takes the mask (flash takes
+    none), and never cuDNN, whose graph cache is keyed on the key length: a cuDNN kernel would build a new
+    graph whenever the cache grows, 42-400 ms each (pytorch/pytorch#191576, flashinfer-ai/flashinfer#5245).
+    On CPU, torch's own choice (its flash kernel takes masks)."""
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if device.type == "cuda" else nullcontext()
 
 
 def fused_low_rank(linears, row_scale=None):
@@ -239,13 +277,29 @@ def _full_weight(p):
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
+def fsdp_param_dtype(model):
+    """The dtype in which FSDP2 gathers a sharded model's parameters for its forward (its MixedPrecisionPolicy's
+    param_dtype: bf16 on CUDA, common.shard_model), or None: not sharded, or gathered as stored."""
+    model = unwrap(model)
+    return model._get_fsdp_state()._mp_policy.param_dtype if isinstance(model, FSDPModule) else None
+
+
 @dataclass
 class Prepared:
     """What generate decodes with (Engine.prepare)."""
     model: GPT              # plain, in the compute dtype: the prefill runs its forward, decode decode_step
-    weights: dict           # decode_weights(model, head): the fused per-layer weights and the float32 head
-    head: torch.Tensor      # (V, C) float32: logits = F.linear(h.float(), head)
+    weights: dict           # decode_weights(model, head): the fused per-layer weights and the head
+    head: torch.Tensor      # (V, C) in the head precision's dtype: logits = head_logits(h, head, precision)
     versions: tuple         # the master parameters' version counters at prepare time (a change = an update)
+
+
+def _tensors(nested):
+    """Every tensor in nested tuples and lists (decode_weights' layers)."""
+    if isinstance(nested, torch.Tensor):
+        return [nested]
+    if isinstance(nested, (tuple, list)):
+        return [t for item in nested for t in _tensors(item)]
+    return []  # None: an absent gain or adapter
 
 
 def _versions(model):
@@ -263,15 +317,23 @@ def _write_back(results, rows, **state):
 
 
 class Engine:
-    # compact the batch when the live rows fall to this fraction of it or fewer (1.0: at every stop;
-    # 0.0: never, finished rows stay masked to the end)
-    compact_at = 0.5
+    compact = True  # finished rows leave the batch when the live ones fit a smaller power of two (False: never)
 
-    def __init__(self, model, tokenizer, tools: dict | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, model, tokenizer, tools: dict | None = None, dtype: torch.dtype | None = None,
+                 compile: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.tools = tools or {}
-        self.dtype = dtype or compute_dtype(unwrap(model).device)
+        # the dtype of the weights, the residual stream and the KV cache: as the trainer's forward computes, which
+        # under FSDP2 is its parameters' gathered dtype (bf16 on CUDA), else the compute dtype
+        self.dtype = dtype or fsdp_param_dtype(model) or compute_dtype(unwrap(model).device)
+        # how often the host reads the batch's state (a device sync): on CPU every step, where it costs nothing
+        self.check_every = 1 if unwrap(model).device.type == "cpu" else 8
+        self.compile = compile
+        # batch sizes and cache lengths in powers of two: each shape a graph the compiled step captures once. Eager,
+        # exact shapes (no padding computed), the batch compacted when half of it or less is live
+        self.buckets = compile
+        self._compiled = None  # fused_decode compiled, built at the first generate (compile=True)
         self._prepared = None
         self._frozen = None  # a snapshot's weights, fixed (Engine.snapshot)
         self.call_end_id = None
@@ -280,6 +342,26 @@ class Engine:
             if self.call_end_id is None or tokenizer.encode("</tool_call>") != [self.call_end_id]:
                 raise ValueError("tools need `</tool_call>` as one special token in the tokenizer (it is in "
                                  "Qwen3's and in ours): the engine detects a tool call by it")
+
+    def _compiled_step(self, prep, cache):
+        """fused_decode compiled (compile=True; else None), its weights and cache marked as static addresses:
+        a CUDA graph then reads them in place instead of copying them into its own inputs at every replay."""
+        if not self.compile:
+            return None
+        if self._compiled is None:
+            # one graph per (rows, length bucket) met: more than dynamo's default 8 in a long rollout
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled = torch.compile(fused_decode, mode="reduce-overhead", fullgraph=True, dynamic=False)
+        for t in [*prep.model.parameters(), *prep.model.buffers(), prep.head, *_tensors(prep.weights["layers"])]:
+            torch._dynamo.mark_static_address(t)
+        self._mark_static(cache)
+        return self._compiled
+
+    def _mark_static(self, cache):
+        """The cache's tensors as static addresses for the compiled step (after a prefill or a compaction)."""
+        if self.compile:
+            for t in (cache.k, cache.v, cache.doc, cache.end, cache.next_pos):
+                torch._dynamo.mark_static_address(t)
 
     @torch.no_grad()
     def prepare(self, copy=False) -> Prepared:
@@ -298,16 +380,21 @@ class Engine:
                 add_lora(model, lora["r"], lora["alpha"], lora["targets"])
             for name, p in params.items():
                 if name == "lm_head.weight":
-                    continue  # an untied head is only ever used in float32 (below): no compute-dtype copy
+                    continue  # an untied head is only ever used in its precision (below): no compute-dtype copy
                 module_name, _, attr = name.rpartition(".")
                 w = _full_weight(p).to(self.dtype)
                 setattr(model.get_submodule(module_name), attr, nn.Parameter(w, requires_grad=False))
             if master.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
+            model.fuse_projections()  # q/k/v and gate/up as one tensor each: decode_weights then copies nothing
             # the RoPE tables in the compute dtype too, so no step casts them
             model.rope_cos = master.rope_cos.to(self.dtype)
             model.rope_signed_sin = master.rope_signed_sin.to(self.dtype)
-        head = _full_weight(master.lm_head.weight).float()  # no copy when the master is float32
+            model.head_precision = master.head_precision  # the trainer's: one function for both (head_logits)
+        # the head as the trainer's forward sees it (under FSDP2 gathered in its param dtype, rounded), then in the
+        # head precision's dtype; no copy when the master is already that (float32, on CPU or for the float32 head)
+        head = _full_weight(master.lm_head.weight).to(fsdp_param_dtype(master) or master.lm_head.weight.dtype)
+        head = head.to(HEAD_PRECISIONS[master.head_precision])
         if copy and head.data_ptr() == master.lm_head.weight.data_ptr():
             head = head.clone()
         return Prepared(model=model, weights=decode_weights(model, head), head=head, versions=_versions(master))
@@ -316,7 +403,7 @@ class Engine:
         """An engine over a frozen copy of the weights as they are now: it samples while the trainer moves on
         (one-step-off-policy RL), or on purpose k steps behind (chat_rl.py --staleness). A collective under
         FSDP2, like prepare: every rank takes it at the same moment."""
-        frozen = Engine(self.model, self.tokenizer, self.tools, self.dtype)
+        frozen = Engine(self.model, self.tokenizer, self.tools, self.dtype, self.compile)
         frozen._frozen = self.prepare(copy=True)
         return frozen
 
@@ -368,9 +455,10 @@ class Engine:
             ids[i, longest - len(p):] = torch.tensor(p)
             doc[i, longest - len(p):] = 1
         cache = KVCache(cfg, R, longest + max_new_tokens, device, self.dtype)
+        compiled = self._compiled_step(prep, cache)
         # only the last position's logits are needed: the head on all of them is ~12% of a prefill
         h = model.hidden_states(ids.to(device), doc_ids=doc.to(device), kv_cache=cache)[:, -1]
-        logits = F.linear(h.float().repeat_interleave(N, dim=0), prep.head)
+        logits = head_logits(h.repeat_interleave(N, dim=0), prep.head, model.head_precision)
 
         # the batch's state, on the device: batch row b holds completion rows[b] (the identity until the
         # first compaction, when these buffers are also the completion-ordered results)
@@ -416,8 +504,12 @@ class Engine:
             live &= ~ends
             prev = next_tok
 
-            # the one device-to-host copy of this step: how many rows are live, how many called a tool, and
-            # (streaming) what each completion got
+            last = step == max_new_tokens - 1
+            if not (self.tools or stream is not None or last or (step + 1) % self.check_every == 0):
+                logits = decode_step(model, next_tok, cache, prep.weights, bucketed=self.buckets, step=compiled)
+                continue
+            # the host's read of the batch, a device sync (every check_every steps, or every step with tools or a
+            # stream): how many rows are live, how many called a tool, and (streaming) what each completion got
             report = live.sum()[None] if calls is None else torch.stack([live.sum(), calls.sum()])
             if stream is not None:
                 step_tokens = torch.full((R,), -1, dtype=torch.long, device=device)
@@ -447,19 +539,24 @@ class Engine:
                         forced_len[b], forced_at[b] = len(q), 0
             if stream is not None:
                 stream([t if t >= 0 else None for t in report[-R:]])
-            if n_live == 0 or step == max_new_tokens - 1:
+            if n_live == 0 or last:
                 break
-            if n_live <= self.compact_at * n_batch and n_live < n_batch:
-                # few rows are left: move them to the front of the cache, so the batch only pays for them
+            if self.buckets:  # the live rows' bucket, a power of two (filled up with finished rows)
+                size = 1 << (n_live - 1).bit_length()
+            else:  # the live rows, once they are half the batch or fewer
+                size = n_live if 2 * n_live <= n_batch else n_batch
+            if self.compact and size < n_batch:
+                # move the rows kept to the front of the cache, so the batch only pays for them
                 results = _write_back(results, rows, live=live, length=length, tokens=out_tokens,
                                       logprobs=out_logprobs, sampled=out_sampled)
-                keep = torch.nonzero_static(live, size=n_live).squeeze(1)  # the host knows the count: no sync
+                keep = torch.sort((~live).to(torch.uint8), stable=True).indices[:size]  # live first: no sync
                 cache.keep_rows(keep)
                 rows, live, length, prev = rows[keep], live[keep], length[keep], prev[keep]
                 out_tokens, out_logprobs, out_sampled = out_tokens[keep], out_logprobs[keep], out_sampled[keep]
                 forced, forced_len, forced_at = forced[keep], forced_len[keep], forced_at[keep]
-                next_tok, n_batch, compactions = next_tok[keep], n_live, compactions + 1
-            logits = decode_step(model, next_tok, cache, prep.weights)
+                next_tok, n_batch, compactions = next_tok[keep], size, compactions + 1
+                self._mark_static(cache)
+            logits = decode_step(model, next_tok, cache, prep.weights, bucketed=self.buckets, step=compiled)
         results = _write_back(results, rows, live=live, length=length, tokens=out_tokens,
                               logprobs=out_logprobs, sampled=out_sampled)
 

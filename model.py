@@ -7,18 +7,21 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
 
 - `forward` gives logits (inference), values (scalar head), or, with `targets`, per-token log-probs.
 - `doc_ids` (B, T) marks documents packed into one row: positions restart at each document and attention
-  never crosses one. The same mechanism isolates the left padding of a batch of prompts in the engine.
+  never crosses one, each document attending as a row of its own (`PackedDocuments`: no T x T mask, and no
+  work across documents). In the engine's prefill a mask isolates the left padding of a batch of prompts.
 - `kv_cache` (a `KVCache`) makes decoding one token per step cost O(T) instead of O(T^2) (the engine's
   fast decode step, engine.decode_step, is the same step as one flat function over fused weights).
 - `forward(idx, targets)` gives per-token log-probs (and entropies) in float32, chunk by chunk over the
   graded positions only (`vocab_logprobs`), so no (B, T, V) tensor is ever built in training; the SFT
-  loss is its negation. `grad_checkpointing = True` recomputes each block's activations in backward.
+  loss is its negation. The head's matmul runs in `head_precision` (`head_logits`), as the engine's does.
+  `grad_checkpointing = True` recomputes each block's activations in backward.
 - `GPTConfig.head = "scalar"` swaps the vocabulary head for a one-number head (`score`), as reward
   models and critics need; everything below the head is the same code.
 - Bad shapes raise ValueError; loading and saving Hugging Face folders is checkpoint.py's, LoRA lora.py's.
   This file imports only torch.
 """
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +123,8 @@ class KVCache:
         self.doc = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.length = 0
+        # the length on the device too, which a captured decode step reads and advances (engine.decode_step)
+        self.end = torch.zeros(1, dtype=torch.long, device=device)
         self.max_len = max_len
         self.isolated = True  # whether a decode step must mask other documents (set at prefill)
 
@@ -152,9 +157,16 @@ class KVCache:
         self.v[layer, :, :, :t1].unflatten(0, (B, rows // B)).copy_(v[:, None])
         return k, v
 
+    def append_at_end(self, layer: int, k, v, length: int):
+        """A decode step's k, v (B, H_kv, 1, D) written at position `end` (a device index: no Python int in a
+        captured step); returns the layer's first `length` positions, past `end` too (a bucket: see decode_step)."""
+        self.k[layer].index_copy_(2, self.end, k)
+        self.v[layer].index_copy_(2, self.end, v)
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+
     def keep_rows(self, rows):
-        """Keep only these batch rows (ascending indices), moved to the front in place, one layer at a time:
-        dropping rows never allocates a second cache (the storage stays; the rows behind are left unused)."""
+        """Keep only these batch rows (any order), moved to the front in place, one layer at a time: dropping
+        rows never allocates a second cache (the storage stays; the rows behind are left unused)."""
         n, t = rows.numel(), self.length
         for layer in range(self.k.size(0)):
             self.k[layer, :n, :, :t] = self.k[layer, rows, :, :t]
@@ -187,6 +199,8 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
+        if isinstance(mask, PackedDocuments):  # packed rows: each document attends within itself
+            return self.o_proj(mask.attention(q, k, v))
         if T == 1 and kv_cache is not None:
             # one decode step: fold each kv head's group of query heads into the query-length axis, so
             # attention is one plain (no GQA broadcast) call; the mask (B, 1, 1, S) or None covers the group
@@ -194,9 +208,67 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
         elif mask is None:  # plain causal self-attention: the fast path
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
+        else:  # the engine's prefill: left-padded prompts, isolated from their padding by a mask
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+@dataclass
+class PackedDocuments:
+    """The documents of packed rows (doc_ids), laid out for attention as batches of their own, so that no
+    (T, T) mask is ever built and every attention call is plain causal: the fused kernel (flash, on CPU and
+    CUDA) computes only each document's own lower triangle and never a block across two documents.
+
+    Documents are sorted by length, longest first, and grouped: a batch is padded to its longest document,
+    and a document joins it while longer than half of that (so each is padded to less than twice its length,
+    and documents of one length cost exactly what they cost as rows of their own). The padding copies the
+    document's last token and sits after it, where causal attention never looks back from a real token.
+    Example: doc_ids [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]] (flat tokens 0..11: documents of 3, 2, 1, 4
+    and 2 tokens) gives three batches, [[6, 7, 8, 9], [0, 1, 2, 2]] (4 and 3 tokens, padded to 4),
+    [[3, 4], [10, 11]] and [[5]]; `inverse`, each flat token's place among the batches' outputs concatenated
+    (8 + 4 + 1 rows), is [4, 5, 6, 8, 9, 12, 0, 1, 2, 3, 10, 11]. (Why not FlexAttention or varlen_attn, which
+    torch 2.13 runs backward only on CUDA: docs/speed.md.)"""
+    batches: list            # per batch, (documents, padded length): the flat token index (row * T + column)
+    inverse: torch.Tensor    # (B * T,): each token's row in the batches' outputs, flattened and concatenated
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids):
+        # the lengths decide the shapes: one copy to the host per forward, never per layer
+        B, T = doc_ids.shape
+        doc = doc_ids.cpu()
+        starts = torch.ones(B, T, dtype=torch.bool)
+        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        start = starts.flatten().nonzero().squeeze(1)  # each document's first token, as a flat index
+        length = torch.diff(start, append=torch.tensor([B * T]))
+        order = torch.argsort(length, descending=True, stable=True)
+        batches, src, i = [], [], 0
+        while i < len(order):
+            longest = int(length[order[i]])
+            n = int((2 * length[order[i:]] > longest).sum())  # the documents longer than half the longest
+            docs, column = order[i:i + n], torch.arange(longest)
+            batches.append(start[docs, None] + torch.minimum(column, length[docs, None] - 1))
+            src.append(torch.where(column < length[docs, None], batches[-1], -1).flatten())  # -1: padding
+            i += n
+        src = torch.cat(src)
+        inverse = torch.empty(B * T, dtype=torch.long)
+        inverse[src[src >= 0]] = (src >= 0).nonzero().squeeze(1)
+        dev = doc_ids.device
+        return cls([b.to(dev, non_blocking=True) for b in batches], inverse.to(dev, non_blocking=True))
+
+    def attention(self, q, k, v):
+        """Causal attention of q (B, H, T, D) to k, v (B, H_kv, T, D) within each document: (B, T, H * D)."""
+        B, H, T, D = q.shape
+
+        def tokens(x):  # (B * T, heads, D): a view when x is a transposed (B, T, heads, D), as q, k, v are
+            return x.transpose(1, 2).reshape(B * T, x.size(1), D)
+
+        q, k, v = tokens(q), tokens(k), tokens(v)
+        outs = []
+        for index in self.batches:  # (documents, padded length, heads, D), then heads before positions
+            y = F.scaled_dot_product_attention(*(x.index_select(0, index.flatten()).unflatten(0, index.shape)
+                                                 .transpose(1, 2) for x in (q, k, v)), is_causal=True, enable_gqa=True)
+            outs.append(y.transpose(1, 2).reshape(-1, H * D))
+        return torch.cat(outs).index_select(0, self.inverse).view(B, T, H * D)
 
 
 class MLP(nn.Module):
@@ -256,25 +328,73 @@ def process_logits(logits, temperature=1.0, top_k=None, top_p=None):
     return logits
 
 
+# the LM head's precision -> the dtype its weight and inputs are in (GPT.head_precision, --head-precision)
+HEAD_PRECISIONS = {"float32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
+
+
+def head_logits(hidden, weight, precision="float32"):
+    """The LM head's logits (N, V), float32, from hidden states (N, C) and the head weight (V, C): the one
+    function the engine samples from and the trainers score with, so that they compute the same numbers.
+      float32  float32 inputs and products (on a GPU, CUDA cores: the default until a GPU measures the others)
+      tf32     float32 inputs, products on TF32 tensor cores (inputs rounded to 10 mantissa bits, float32
+               accumulation), for this matmul alone, forward and backward (CUDA; on CPU it is float32)
+      bf16     bfloat16 inputs and output, float32 accumulation inside the matmul
+    The logits come out float32 in every case, so every log-sum-exp over them accumulates in float32. The
+    caller casts the weight to HEAD_PRECISIONS[precision] once (not per chunk or token), outside autocast."""
+    h = hidden.to(HEAD_PRECISIONS[precision])
+    logits = TF32Linear.apply(h, weight) if precision == "tf32" else F.linear(h, weight)
+    return logits.float()
+
+
+@contextmanager
+def tf32_matmuls():
+    """CUDA float32 matmuls on TF32 tensor cores inside the block; the process's own setting restored after."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+
+
+class TF32Linear(torch.autograd.Function):
+    """F.linear(x, w), 2-D float32 x, each matmul under tf32_matmuls: autograd runs the backward after a block
+    around the call has closed, so its two matmuls (two thirds of the head's FLOPs) would run in float32."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        with tf32_matmuls():
+            return F.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        with tf32_matmuls():
+            return (grad @ w if ctx.needs_input_grad[0] else None,
+                    grad.t() @ x if ctx.needs_input_grad[1] else None)
+
+
 def vocab_logprobs(hidden, weight, targets, *, temperature=1.0, top_k=None, top_p=None, with_entropy=False,
-                   chunk_elements=2**26):
+                   precision="float32", chunk_elements=2**26):
     """log p(targets) in float32 (B, T), 0 where targets < 0, from final hidden states (B, T, C) and a
     vocabulary head weight (V, C), without ever building the (B, T, V) logits: only the graded positions
     (targets >= 0) are computed, in chunks of about chunk_elements logits (441 tokens at a vocabulary of
     151,936: 256 MB in float32); under autograd each chunk's logits are recomputed in backward, so only
-    the (N, C) hidden states are kept. The head runs in float32 (weight and hidden states cast up): the
-    engine samples from float32 logits of the same head, and the output head is where bf16
-    engine/trainer mismatch comes from (MiniMax-M1; prime-rl#2438).
+    the (N, C) hidden states are kept. The head runs in `precision` (head_logits: float32 by default, the
+    weight and hidden states cast up), as the engine's does: the output head is where bf16 engine/trainer
+    mismatch comes from (MiniMax-M1; prime-rl#2438), so the two always share one setting.
     with_entropy=True also returns each graded position's entropy -sum p log p under the distribution
     sampled from (temperature, top-k/top-p applied): a truncated token (logit -inf, p = 0) contributes
     0, not 0 * -inf = NaN."""
     graded = targets >= 0
     h, t = hidden[graded], targets[graded]                  # (N, C), (N,)
     step = max(1, chunk_elements // weight.size(0))
+    weight = weight.to(HEAD_PRECISIONS[precision])          # once, not per chunk
 
     def chunk_fn(h_chunk, t_chunk):
         with torch.autocast(h_chunk.device.type, enabled=False):
-            logits = process_logits(F.linear(h_chunk.float(), weight.float()), temperature, top_k, top_p)
+            logits = process_logits(head_logits(h_chunk, weight, precision), temperature, top_k, top_p)
             lse = torch.logsumexp(logits, dim=-1)
             lp = logits.gather(-1, t_chunk[:, None]).squeeze(-1) - lse
             if not with_entropy:
@@ -310,6 +430,7 @@ class GPT(nn.Module):
         else:
             self.score = nn.Linear(config.n_embd, 1, bias=False)
         self.grad_checkpointing = False  # activation checkpointing per decoder block (--grad-checkpointing)
+        self.head_precision = "float32"  # the LM head's matmul, here and in the engine (head_logits; --head-precision)
         self._init_rope()
         if not any(p.is_meta for p in self.parameters()):
             self.apply(self._init_weights)
@@ -346,6 +467,22 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights count once
 
+    @torch.no_grad()
+    def fuse_projections(self):
+        """Store each block's q, k, v weights as the row blocks of one tensor, and gate, up likewise: the
+        parameters become views of it, their values unchanged, so that the engine's fused matmuls read them in
+        place (engine.stacked_rows) instead of keeping fused copies (9 GB at Qwen3-8B). For frozen weights (a
+        LoRA base, the engine's own copy): an optimizer or FSDP wants each trained parameter a tensor of its own."""
+        for block in self.model.layers:
+            for group in ((block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj),
+                          (block.mlp.gate_proj, block.mlp.up_proj)):
+                fused = stacked_rows([m.weight for m in group])  # already one tensor (a shared LoRA base): kept
+                row = 0
+                for m in group:
+                    rows = m.weight.size(0)
+                    m.weight = nn.Parameter(fused[row:row + rows], requires_grad=m.weight.requires_grad)
+                    row += rows
+
     # -- the trunk ---------------------------------------------------------------------------
 
     def hidden_states(self, idx, doc_ids=None, kv_cache=None):
@@ -358,8 +495,7 @@ class GPT(nn.Module):
                 pos = torch.arange(T, device=dev).expand(B, T)
             else:
                 pos = positions_from_doc_ids(doc_ids)
-                same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-                mask = (same_doc & torch.ones(T, T, dtype=torch.bool, device=dev).tril())[:, None]
+                mask = PackedDocuments.from_doc_ids(doc_ids)
         else:
             t0 = kv_cache.length
             if t0 + T > kv_cache.max_len:
@@ -400,6 +536,7 @@ class GPT(nn.Module):
                 x = block(x, cos, sin, mask, kv_cache, i)
         if kv_cache is not None:
             kv_cache.length += T
+            kv_cache.end.fill_(kv_cache.length)
         return self.model.norm(x)
 
     # -- the heads ---------------------------------------------------------------------------
@@ -425,16 +562,30 @@ class GPT(nn.Module):
             # targets, from the same hidden states, through the tied embeddings or a frozen copy of the
             # chat model's untied head (the buffer frozen_lm_head, attached by chat_rm.py)
             head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.frozen_lm_head
-            return values, vocab_logprobs(h, head, targets)
+            return values, vocab_logprobs(h, head, targets, precision=self.head_precision)
         if targets is None:
             return self.lm_head(h)
         return self.head_logprobs(h, targets, temperature=temperature, top_k=top_k, top_p=top_p,
                                    with_entropy=with_entropy)
 
     def head_logprobs(self, hidden, targets, **kwargs):
-        """vocab_logprobs through this model's LM head (see there)."""
-        return vocab_logprobs(hidden, self.lm_head.weight, targets, **kwargs)
+        """vocab_logprobs through this model's LM head, in its head_precision (see there)."""
+        return vocab_logprobs(hidden, self.lm_head.weight, targets, precision=self.head_precision, **kwargs)
 
+
+
+def stacked_rows(weights):
+    """The matrices (rows_i, C) stacked by rows into one: a view, with no copy, when they already lie so in one
+    tensor (GPT.fuse_projections: a LoRA base, the engine's own copy), else torch.cat (engine.decode_weights;
+    Llama's q is scaled there first, a new tensor, so its q, k, v are copied)."""
+    first = weights[0]
+    offset = first.storage_offset()
+    for w in weights:
+        if not (w.is_contiguous() and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and w.storage_offset() == offset and w.dtype == first.dtype):
+            return torch.cat(weights)
+        offset += w.numel()
+    return first.as_strided((sum(w.size(0) for w in weights), first.size(1)), first.stride())
 
 
 def positions_from_doc_ids(doc_ids):

@@ -31,6 +31,8 @@ def add_run_flags(parser, stage: str):
     parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project "
                         "(WANDB_MODE=offline: no network)")
     parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+    parser.add_argument("--head-precision", default="float32", choices=("float32", "tf32", "bf16"),  # HEAD_PRECISIONS
+                        help="the LM head's matmul, in training and sampling alike (tf32: CUDA only; float32 on CPU)")
     parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across "
                         "ranks (FSDP2)")
     parser.add_argument("--dist-timeout", type=float, default=30, help="minutes a rank may wait in a collective")

@@ -1,8 +1,9 @@
 """
 Where a base pretraining step's time could go, measured side by side: the step as base_train.py takes it
 (float32, 8 packed rows of 512 tokens with attention restarting at every document), against the same step
-with plain causal attention (what a document-aware attention could save at most: the documents' blocks are
-a subset of the causal triangle), and against bfloat16 autocast (what AMX or AVX-512 BF16 matrix units give).
+with plain causal attention (the whole causal triangle of each row, across its documents: what the model's
+per-document attention, model.PackedDocuments, is weighed against), and against bfloat16 autocast (what AMX or
+AVX-512 BF16 matrix units give).
 
     python benchmarks/bench_base_step.py                      # the world's documents, the default base shape
     python benchmarks/bench_base_step.py --tokenizer out/cpu/tokenizer --rounds 5

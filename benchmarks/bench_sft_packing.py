@@ -49,7 +49,7 @@ if __name__ == "__main__":
             batch = rows[r * n:(r + 1) * n]
             x, y, d = make_batch(examples, batch, tok.pad_id, args.seq_len, packing, "cpu")
             t0 = time.perf_counter()
-            loss = sft_loss(model(x, y, doc_ids=d, reduction="none"), y, (y != IGNORE).sum())
+            loss = sft_loss(model(x, y, doc_ids=d), (y != IGNORE).sum())
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

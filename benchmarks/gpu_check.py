@@ -53,8 +53,8 @@ def attention_backends(device, heads, kv_heads, head_dim, tokens):
     doc = torch.zeros(1, tokens, dtype=torch.long, device=device)
     doc[:, tokens // 2:] = 1
     packed = ((doc[:, :, None] == doc[:, None, :]) & torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril())[:, None]
-    calls = {"causal (RL and PPO training, padded rows)": dict(is_causal=True, enable_gqa=True),
-             "document mask (SFT/RM/DPO packed rows)": dict(attn_mask=packed, enable_gqa=True)}
+    calls = {"causal (training: padded rows, and each document of packed ones)": dict(is_causal=True, enable_gqa=True),
+             "masked (the engine's prefill of left-padded prompts)": dict(attn_mask=packed, enable_gqa=True)}
     order = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     found = {}
     for name, kwargs in calls.items():

@@ -38,9 +38,9 @@ def scripted_models_decode_themselves(monkeypatch):
     own decode_step method, which the engine then calls instead."""
     import engine
     fused = engine.decode_step
-    monkeypatch.setattr(engine, "decode_step", lambda model, tokens, cache, weights: (
+    monkeypatch.setattr(engine, "decode_step", lambda model, tokens, cache, weights, **kwargs: (
         type(model).decode_step(model, tokens, cache, weights) if hasattr(type(model), "decode_step")
-        else fused(model, tokens, cache, weights)))
+        else fused(model, tokens, cache, weights, **kwargs)))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Collectives that scale: --dist-timeout bounds how long a rank waits in a collective, a rank with fewer
-batches joins the others' passes (rank_passes), and held-out evaluation split across 2 gloo ranks (each its
-share, the sums all-reduced) equals one process."""
+batches joins the others' passes (rank_passes), a NaN loss on one rank stops every rank naming it, and held-out
+evaluation split across 2 gloo ranks (each its share, the sums all-reduced) equals one process."""
 import json
 import os
 import socket
@@ -93,6 +93,51 @@ def _evaluate(rank, world, port, folder, out):
         with open(out, "w") as f:
             json.dump({"metrics": metrics, "correct": correct, "val_loss": loss}, f)
     cleanup_dist()
+
+
+def _nan_on_rank_1(rank, port, out):
+    """One DDP training step in which rank 1's loss is NaN: what each rank raises, and whether its weights moved."""
+    _env(rank, port)
+    init_dist("cpu", timeout_minutes=0.2)  # a rank left waiting gives up after 12 s
+    torch.manual_seed(0)
+    model = common.wrap_model(GPT(GPTConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, head_dim=8,
+                                            intermediate_size=32, max_seq_len=16)))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = common.make_optimizer(model, 1e-2)
+    x = torch.randint(0, 64, (2, 8))
+    loss = -model(x, x).sum()
+    if rank == 1:
+        loss = loss * float("nan")
+    try:
+        common.check_finite(loss, 3)
+        loss.backward()
+        common.optimizer_step(model, optimizer, 1.0)
+        outcome = "stepped"
+    except common.UserError as e:
+        outcome = str(e)
+    except RuntimeError as e:  # a collective that timed out
+        outcome = f"RuntimeError: {e}"
+    moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({"outcome": outcome, "moved": moved}, f)
+    cleanup_dist()
+
+
+def test_a_nan_on_one_rank_stops_every_rank_naming_it(tmp_path):
+    # rank 1 alone sees a NaN loss: both ranks stop at the step, before the update, with the same line naming rank 1
+    # (rank 0 prints it), instead of rank 1 exiting unheard while rank 0 waits in the backward's all-reduce. ~10 s:
+    # the quick tier's catcher of mutant nan-stops-one-rank-alone
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_nan_on_rank_1, args=(r, port, str(tmp_path / "out"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    for r in range(2):
+        got = json.loads((tmp_path / f"out.{r}.json").read_text())
+        assert got["outcome"].startswith("step 3: the loss is nan on rank 1 of 2; not training on it."), got
+        assert not got["moved"]
 
 
 @pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all

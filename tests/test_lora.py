@@ -322,6 +322,25 @@ def test_reward_model_adapter_loads_in_peft(tok, tmp_path):
         torch.testing.assert_close(load_model(str(tmp_path / "ad"), head="scalar")(x), model(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_shares_a_lora_base_instead_of_fused_copies(tok, base_dir, dtype):
+    # the frozen base of a loaded LoRA model keeps q/k/v and gate/up as one tensor each (GPT.fuse_projections):
+    # the engine's fused decode weights are that memory itself, not copies (9 GB at Qwen3-8B, #51), with the base
+    # frozen in the engine's dtype (float32 on CPU, bfloat16 on CUDA) or in another (its own copy, fused too)
+    model = load_hf(base_dir, dtype=dtype, lora=options(rank=4))
+    prep = Engine(model, tok, dtype=dtype).prepare()
+    layer, fused = model.model.layers[0], prep.weights["layers"][0]
+    same = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert same(fused[1], layer.self_attn.q_proj.weight) and same(fused[5], layer.mlp.gate_proj.weight)
+    assert torch.equal(fused[1], torch.cat([layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                                            layer.self_attn.v_proj.weight]))
+    assert torch.equal(fused[5], torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]))
+    copy = Engine(load_model(base_dir), tok, dtype=torch.bfloat16).prepare()  # a full model's bf16 copy: fused too
+    copied = copy.model.model.layers[0]
+    assert same(copy.weights["layers"][0][1], copied.self_attn.q_proj.weight)
+    assert same(copy.weights["layers"][0][5], copied.mlp.gate_proj.weight)
+
+
 @pytest.mark.parametrize("llama,dropout", [(False, 0.0), (True, 0.0), (False, 0.3)],
                          ids=["qwen3", "llama", "qwen3-dropout"])
 def test_the_engine_samples_what_the_trainer_computes_with_random_adapters(tok, tmp_path, llama, dropout):

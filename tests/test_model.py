@@ -1,13 +1,18 @@
 """The GPT: packing isolation, the KV cache, log-probs, the scalar head, and equality with transformers."""
+import argparse
 import json
 import math
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common import UserError
-from model import GPT, GPTConfig, KVCache, positions_from_doc_ids, process_logits
+from rundir import add_run_flags
+from model import (GPT, HEAD_PRECISIONS, GPTConfig, KVCache, PackedDocuments, head_logits, positions_from_doc_ids,
+                   process_logits, vocab_logprobs)
 from checkpoint import load_hf, save_hf
 from engine import decode_step, decode_weights
 
@@ -47,6 +52,43 @@ def test_attention_never_crosses_documents():
         out1 = m(torch.cat([torch.randint(0, 97, (1, 5)), b], 1), doc_ids=doc)[:, 5:]
         out2 = m(torch.cat([torch.randint(0, 97, (1, 5)), b], 1), doc_ids=doc)[:, 5:]
     assert torch.equal(out1, out2)
+
+
+def test_packed_documents_batch_each_document_alone():
+    # the docstring's example: documents of 3, 2, 1 (row 0) and 4, 2 (row 1) tokens
+    layout = PackedDocuments.from_doc_ids(torch.tensor([[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]]))
+    assert [b.tolist() for b in layout.batches] == [[[6, 7, 8, 9], [0, 1, 2, 2]], [[3, 4], [10, 11]], [[5]]]
+    assert layout.inverse.tolist() == [4, 5, 6, 8, 9, 12, 0, 1, 2, 3, 10, 11]
+
+
+def dense_document_mask(doc_ids):
+    """The path PackedDocuments replaced (issue #51): a (B, 1, T, T) mask of same-document causal pairs."""
+    T = doc_ids.size(1)
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril())[:, None]
+
+
+def test_packed_documents_equal_the_dense_mask(monkeypatch):
+    # per-document batches against the dense mask, on rows whose documents fall into several batches (a long
+    # one, one half its length, one-token documents, a row that is one document): logits within 1e-5 (measured:
+    # 6e-8), the log-probs' gradients within 1e-4 relative (measured: 3e-7)
+    m = tiny().train()
+    lengths = [[11, 1, 20, 8, 24], [64], [3, 3, 3, 30, 1, 24], [32, 16, 9, 7]]
+    doc = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
+    x, y = torch.randint(0, 97, doc.shape), torch.randint(0, 97, doc.shape)
+    results = []
+    for layout in (PackedDocuments.from_doc_ids, dense_document_mask):
+        monkeypatch.setattr(PackedDocuments, "from_doc_ids", layout)
+        m.zero_grad()
+        with torch.no_grad():
+            logits = m(x, doc_ids=doc)
+        logp = m(x, y, doc_ids=doc)
+        logp.sum().backward()
+        results.append((logits, logp.detach(), [p.grad.clone() for p in m.parameters()]))
+    (logits, logp, grads), (dense_logits, dense_logp, dense_grads) = results
+    torch.testing.assert_close(logits, dense_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(logp, dense_logp, atol=1e-5, rtol=0)
+    for g, dense in zip(grads, dense_grads):
+        torch.testing.assert_close(g, dense, atol=1e-4 * float(dense.abs().max()), rtol=0)
 
 
 def test_kv_cache_decoding_equals_full_recompute():
@@ -96,6 +138,29 @@ def test_decode_step_equals_the_cached_forward(qk_norm):
     torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-5, rtol=0)
 
 
+def test_a_step_over_a_length_bucket_equals_the_exact_step():
+    # the compiled decode step attends over a power-of-two bucket of the cache (engine.length_bucket), its positions
+    # past the new token empty: masked, they change nothing. Prompts without doc_ids (every position document 0,
+    # as the empty ones are) and rows dropped mid-way; the bucketed step run eagerly
+    m = tiny()
+    ids = torch.randint(1, 97, (3, 5))
+    caches = [KVCache(m.config, 3, 40, "cpu", torch.float32) for _ in range(2)]
+    weights = decode_weights(m)
+    with torch.no_grad():
+        for cache in caches:
+            m(ids, kv_cache=cache)
+        x = torch.randint(0, 97, (3,))
+        for t in range(30):  # cache lengths 6 to 35: buckets 8, 16, 32 and 40
+            if t == 10:
+                for cache in caches:
+                    cache.keep_rows(torch.tensor([2, 0]))
+                x = x[[2, 0]]
+            want = decode_step(m, x, caches[0], weights)
+            got = decode_step(m, x, caches[1], weights, bucketed=True)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            x = want.argmax(-1)
+
+
 def reference_logprobs(logits, y, temperature=1.0, top_k=None, top_p=None):
     """log softmax of the full (B, T, V) logits, written from the definition (not model.process_logits):
     top-k keeps the k largest; top-p keeps, largest first, each token whose larger tokens hold less than p."""
@@ -136,6 +201,70 @@ def test_logprobs_and_entropy_in_chunks_match_the_full_softmax_and_gradients(tem
         g1 = torch.autograd.grad(ours.sum(), w, retain_graph=True)[0]
         g2 = torch.autograd.grad(ref.sum(), w, retain_graph=True)[0]
         torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+class MatmulPrecisions(TorchDispatchMode):
+    """The CUDA float32 matmul setting in force at each matrix product run inside it, by the product's output width."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.seen.append((out.size(-1), torch.backends.cuda.matmul.fp32_precision))
+        return out
+
+
+def test_head_precisions_compute_what_they_name_with_float32_logits():
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 32), torch.randn(97, 32) / 6
+    exact = h.double() @ w.double().T
+    for precision, dtype, err in (("float32", torch.float32, 1e-5), ("tf32", torch.float32, 1e-5),
+                                  ("bf16", torch.bfloat16, 3e-2)):
+        logits = head_logits(h, w.to(dtype), precision)
+        assert logits.dtype == torch.float32  # so every log-sum-exp after it accumulates in float32
+        assert (logits.double() - exact).abs().max() < err
+    bf16 = head_logits(h, w.bfloat16(), "bf16")  # bf16 inputs and output: what a bf16 matmul gives, no more
+    assert torch.equal(bf16, F.linear(h.bfloat16(), w.bfloat16()).float())
+    assert (bf16 - head_logits(h, w, "float32")).abs().max() > 1e-3
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser, "sft")  # --head-precision offers exactly these
+    assert set(next(a for a in parser._actions if a.dest == "head_precision").choices) == set(HEAD_PRECISIONS)
+
+
+def test_tf32_is_set_for_the_heads_matmuls_alone_forward_and_backward():
+    # the CUDA TF32 setting is on for the head's product and its two backward products (vocabulary-wide
+    # outputs, or the gradient of the hidden states), off for the trunk's, and restored after; on CPU the
+    # numbers are float32's, gradients included
+    m = tiny().train()
+    x, y = torch.randint(0, 97, (2, 12)), torch.randint(0, 97, (2, 12))
+    before = torch.backends.cuda.matmul.fp32_precision
+    with MatmulPrecisions() as rec:
+        m.head_precision = "tf32"
+        lp = m(x, y)
+        lp.sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    assert torch.backends.cuda.matmul.fp32_precision == before
+    head = [setting for width, setting in rec.seen if width in (97, m.config.n_embd) and setting == "tf32"]
+    assert len(head) >= 3 and {s for _, s in rec.seen if s == "tf32"} and any(s != "tf32" for _, s in rec.seen)
+    assert all(width in (97, m.config.n_embd) for width, s in rec.seen if s == "tf32")
+    m.zero_grad()
+    m.head_precision = "float32"
+    torch.testing.assert_close(lp, m(x, y), atol=0, rtol=0)
+    m(x, y).sum().backward()
+    for got, want in zip(grads, [p.grad for p in m.parameters()]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_head_logprobs_are_its_logits_log_softmax_in_float32():
+    # vocab_logprobs in bf16: the log-softmax of head_logits's float32 logits (not a bf16 log-sum-exp)
+    torch.manual_seed(0)
+    h, w, t = torch.randn(1, 5, 32), torch.randn(97, 32) / 3, torch.randint(0, 97, (1, 5))
+    lp = vocab_logprobs(h, w, t, precision="bf16")
+    want = head_logits(h[0], w.bfloat16(), "bf16").log_softmax(-1).gather(-1, t[0][:, None]).squeeze(-1)
+    torch.testing.assert_close(lp[0], want, atol=1e-6, rtol=0)
 
 
 def test_process_logits_top_k_top_p_support():

@@ -4,7 +4,6 @@ Qwen3-shaped folder with the real vocabulary size (151,936): only the model path
 sizes are swapped, and the test checks that nothing else is."""
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys

@@ -7,6 +7,7 @@ the group's std, the batch's, or none), the loss mask (--mask-truncated), the sn
 log-probs of the distribution sampled from, and the sampler correction."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import chat_rl
 import common
@@ -156,6 +157,27 @@ def test_a_flat_group_kept_by_the_last_round_trains_nothing_and_counts_in_no_den
     assert len(batch.mask) == len(kept) and len(first) % G == 0  # the batch keeps its shape
     assert (batch.mask[first].sum() == 0) == dynamic and (batch.mask.sum(-1) > 0).sum() >= len(kept) - len(first)
     assert steps[0]["flat_groups_kept"] == (len(first) / G if dynamic else 0)
+
+
+def test_head_precision_reaches_the_trainer_the_engine_and_the_reference(monkeypatch, tmp_path, chat):
+    # --head-precision bf16: the snapshot's log-probs (the trainer's) and the reference's are those of a bf16 head
+    # (bf16 hidden states and weight, a float32 log-softmax of its logits), not the float32 head's; the engine
+    # sampled through the same head (the logged engine/trainer gap stays at float rounding)
+    args, rec, steps = rl_case(monkeypatch, tmp_path, chat, "--head-precision", "bf16", "--kl-beta", "0.1")
+    call = rec["update_policy"][0]
+    batch, kw = call.args[2], call.kwargs
+    x, y, m = batch.inputs, batch.targets, batch.mask
+
+    def bf16_head_logp(model):
+        with torch.no_grad():
+            logits = F.linear(model.hidden_states(x).bfloat16(), model.lm_head.weight.bfloat16()).float()
+        return torch.where(y >= 0, logits.log_softmax(-1).gather(-1, y.clamp(min=0)[..., None])[..., 0], 0.0) * m
+
+    model = loaded(chat)
+    torch.testing.assert_close(kw["old_logp"], bf16_head_logp(model), atol=2e-5, rtol=1e-4)
+    assert (kw["old_logp"] - logp_of(model, x, y) * m).abs().max() > 2e-4  # the float32 head's differ
+    torch.testing.assert_close(kw["ref_logp"], bf16_head_logp(rec["reference_model"][0].out), atol=2e-5, rtol=1e-4)
+    assert steps[0]["logprob_mismatch"] < 1e-5
 
 
 @pytest.mark.parametrize("argv", [["--eps-low", "0.05"], ["--eps-high", "0.05"], ["--dual-clip", "1.5"],
