@@ -30,7 +30,7 @@ from engine import Engine
 from evaluation import scores_line
 from model import GPT, GPTConfig
 from packing import IGNORE, check_batch_fits, epoch_batch, heldout_loss, make_batch, pack_bfd
-from rewards import has_format, verify
+from verifiers import has_format, verify
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import generate_problems, pretrain_text, sft_conversations
 from tokenizer import Tokenizer, render_text

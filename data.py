@@ -17,7 +17,7 @@ import os
 from typing import Callable
 
 from common import UserError, print0
-from rewards import VERIFIERS, check_ground_truth
+from verifiers import VERIFIERS, check_ground_truth
 from tasks import rl_prompts
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -18,7 +18,7 @@ import torch
 
 from common import all_gather_objects, all_reduce_dict, dist_info, print0, unwrap
 from engine import Engine
-from rewards import answer_text, has_format, verify_batch
+from verifiers import answer_text, has_format, verify_batch
 from tasks import CALCULATOR_SCHEMA, TOOLS
 
 

@@ -1,5 +1,5 @@
 """
-The code verifier's throughput: answers graded per second by rewards.verify_batch (each answer in its own
+The code verifier's throughput: answers graded per second by verifiers.verify_batch (each answer in its own
 sandbox, `--workers` at a time), for batches of honest assert-style answers, honest stdin/stdout answers
 (several cases each), and assert-style batches where one answer in 8 loops forever and runs into the
 timeout. The kinds alternate round by round so machine noise hits all of them.
@@ -14,7 +14,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import rewards  # noqa: E402
+import verifiers  # noqa: E402
 
 TESTS = """
 assert sum_digits(0) == 0
@@ -37,7 +37,7 @@ if __name__ == "__main__":
     ap.add_argument("--timeout", type=float, default=2.0, help="seconds per run of a program")
     ap.add_argument("--workers", type=int, default=None, help="sandboxes at once (default: the cores)")
     args = ap.parse_args()
-    rewards.CODE_LIMITS["timeout"] = args.timeout
+    verifiers.CODE_LIMITS["timeout"] = args.timeout
     n = args.answers
     kinds = {
         "honest, asserts": ([HONEST] * n, [TESTS] * n),
@@ -48,7 +48,7 @@ if __name__ == "__main__":
     for _ in range(args.rounds):
         for kind, (completions, truths) in kinds.items():
             start = time.perf_counter()
-            scores, errors, counts = rewards.verify_batch(["code"] * n, completions, truths, workers=args.workers)
+            scores, errors, counts = verifiers.verify_batch(["code"] * n, completions, truths, workers=args.workers)
             rates[kind].append(n / (time.perf_counter() - start))
             expected = sum(c != LOOPING for c in completions)
             assert sum(scores) == expected and not any(errors), (kind, counts, errors)

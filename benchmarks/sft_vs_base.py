@@ -19,7 +19,7 @@ from checkpoint import load_hf, resolve_model_path  # noqa: E402
 from common import nanopost_home
 from engine import Engine  # noqa: E402
 from model import GPT  # noqa: E402
-from rewards import answer_text, verify  # noqa: E402
+from verifiers import answer_text, verify  # noqa: E402
 from tasks import generate_problems  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 

@@ -31,7 +31,8 @@ from checkpoint import load_hf, resolve_model_path  # noqa: E402
 from data import rl_rows  # noqa: E402
 from engine import Engine  # noqa: E402
 from labkit import Lab, checkpoint, figure, moving_average, parser  # noqa: E402
-from rewards import Grader, answer_text  # noqa: E402
+from rewards import Grader  # noqa: E402
+from verifiers import answer_text  # noqa: E402
 from rollout import sample  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 

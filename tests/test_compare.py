@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import chat_eval
-import rewards
+import verifiers
 from common import UserError
 from engine import Engine
 from model import GPT, GPTConfig
-from rewards import answer_text
+from verifiers import answer_text
 from tasks import rl_prompts
 from checkpoint import load_hf, save_hf
 
@@ -58,7 +58,7 @@ def scores_by_hand(path, tok):
 
 
 def test_compare_two_models(two_models, tok, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rewards, "verify", even_code_sum)  # verify_batch grades through it
+    monkeypatch.setattr(verifiers, "verify", even_code_sum)  # verify_batch grades through it
     out = tmp_path / "compare.json"
     monkeypatch.setattr(sys, "argv", ["chat_eval.py", "--compare", *two_models, "--problems", str(PROBLEMS),
                                       "--samples", str(SAMPLES), "--temperature", str(TEMPERATURE),
@@ -82,7 +82,7 @@ def test_compare_two_models(two_models, tok, tmp_path, monkeypatch, capsys):
 
 def test_compare_a_model_with_itself(two_models, monkeypatch):
     """The same model twice: the same seeds give the same samples, so every difference is exactly 0."""
-    monkeypatch.setattr(rewards, "verify", even_code_sum)  # verify_batch grades through it
+    monkeypatch.setattr(verifiers, "verify", even_code_sum)  # verify_batch grades through it
     result = chat_eval.compare_runs(two_models[0], two_models[0], problems=PROBLEMS, samples=SAMPLES,
                                     temperature=TEMPERATURE, max_new_tokens=MAX_NEW)
     for key in ("greedy_pass@1", "pass@1_t1"):
@@ -107,7 +107,7 @@ def test_per_prompt_scores_come_back_in_row_order_from_every_rank(two_models, to
     from common import DistInfo
     rows = rl_prompts("test", PROBLEMS)
     wanted = {rows[0]["ground_truth"], rows[1]["ground_truth"]}  # rows 0 and 1 right: rank order would differ
-    monkeypatch.setattr(rewards, "verify", lambda v, answer, truth: float(truth in wanted))
+    monkeypatch.setattr(verifiers, "verify", lambda v, answer, truth: float(truth in wanted))
     model = load_hf(two_models[0])
     _, alone = evaluation.evaluate_chat(model, tok, rows, max_new_tokens=4, per_prompt=True)
     assert alone == [1, 1, 0, 0, 0, 0]

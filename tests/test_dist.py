@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import rewards
+import verifiers
 from evaluation import evaluate_chat
 import common
 from common import cleanup_dist, init_dist, rank_passes
@@ -80,9 +80,9 @@ def even_code_sum(verifier, answer, truth):  # a random model never answers righ
 
 def _evaluate(rank, world, port, folder, out):
     from tokenizer import Tokenizer
-    if world > 1:  # a spawned rank: patch its own rewards module (the 1-process call is patched by the test)
+    if world > 1:  # a spawned rank: patch its own verifiers module (the 1-process call is patched by the test)
         _env(rank, port)
-        rewards.verify = even_code_sum
+        verifiers.verify = even_code_sum
     init_dist("cpu")
     model, tok = load_hf(folder), Tokenizer.load(folder)
     metrics, correct = evaluate_chat(model, tok, rl_prompts("test", 7), max_new_tokens=10, per_prompt=True)
@@ -142,7 +142,7 @@ def test_a_nan_on_one_rank_stops_every_rank_naming_it(tmp_path):
 
 @pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
 def test_evaluation_on_two_ranks_equals_one_process(tmp_path, tok, monkeypatch):
-    monkeypatch.setattr(rewards, "verify", even_code_sum)
+    monkeypatch.setattr(verifiers, "verify", even_code_sum)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_kv_head=1, n_embd=32, head_dim=16,
                           intermediate_size=64, max_seq_len=512))

@@ -14,6 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (STAGE_LAYER): they import any library module, and one another's functions, never in a circle.
 LAYERS = {
     "model": 0, "common": 0, "tasks": 0, "sandbox": 0,    # import nothing of ours
+    "verifiers": 1,
     "lora": 1, "rundir": 1, "tokenizer": 1, "peak_memory": 1, "packing": 1, "exact": 1,
     "checkpoint": 2, "engine": 2,
     "rewards": 3, "rollout": 3,
@@ -149,3 +150,22 @@ def test_lab_scripts_sit_on_top(name):
     for m in modules():
         for target, line, _ in imports(m):
             assert target.split(".")[0] not in set(lab_scripts()), f"{m}.py:{line} imports lab/{target}"
+
+
+def reaches(name, seen=None):
+    """Every module of ours that `name` imports, directly or through another."""
+    seen = set() if seen is None else seen
+    for module, _, _ in imports(name):
+        top = module.split(".")[0]
+        if top in LAYERS or top in STAGES:
+            if top not in seen:
+                seen.add(top)
+                reaches(top, seen)
+    return seen
+
+
+def test_the_low_floors_stay_pure():
+    """A JSONL loader and the verifiers are plain code: loading a data file never imports the engine, a checkpoint
+    or a model (data.py once reached them through rewards.py, for the verifiers)."""
+    for name in ("data", "verifiers"):
+        assert not reaches(name) & {"engine", "checkpoint", "rewards", "model", "lora"}, (name, reaches(name))

@@ -14,10 +14,10 @@ import time
 
 import pytest
 
-import rewards
+import verifiers
 import sandbox
 from common import UserError
-from rewards import check_ground_truth, last_python_block, verify, verify_batch
+from verifiers import check_ground_truth, last_python_block, verify, verify_batch
 from data import _verifier_for, load_rl
 
 ROOT = os.geteuid() == 0
@@ -41,8 +41,8 @@ IO = json.dumps({"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6"]})
 
 @pytest.fixture(autouse=True)
 def short_limits(monkeypatch):
-    monkeypatch.setitem(rewards.CODE_LIMITS, "timeout", 1.0)
-    monkeypatch.setitem(rewards.CODE_LIMITS, "memory_mb", 512)
+    monkeypatch.setitem(verifiers.CODE_LIMITS, "timeout", 1.0)
+    monkeypatch.setitem(verifiers.CODE_LIMITS, "memory_mb", 512)
 
 
 def answer(code: str) -> str:
@@ -180,7 +180,7 @@ def test_10gb_would_pass_without_the_memory_limit():
     # an anonymous mapping is lazy (no page is touched), so only the address-space limit makes it fail
     program = "import mmap\ndef add(a, b):\n    memory = mmap.mmap(-1, 10 * 2**30)\n    return a + b\n"
     assert verify("code", answer(program), SIMPLE) == 0.0
-    assert rewards.sandbox.run(program, sandbox.parse_ground_truth(SIMPLE), timeout=5.0, memory_mb=16 << 10)["status"] == "pass"
+    assert verifiers.sandbox.run(program, sandbox.parse_ground_truth(SIMPLE), timeout=5.0, memory_mb=16 << 10)["status"] == "pass"
 
 
 def test_stdin_stdout_hacks_score_0():

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 import tasks
-from rewards import extract_boxed, extract_gsm8k_answer, has_format, verify
+from verifiers import extract_boxed, extract_gsm8k_answer, has_format, verify
 from data import load_kto, load_preferences, load_rl, load_sft
 from tasks import (CALCULATOR_SCHEMA, DEFAULT_DIFFICULTY, Difficulty, calculator, generate_problems, preference_pairs,
                    pretrain_text, rl_prompts, sft_conversations, split_of)
@@ -369,7 +369,7 @@ def test_calculator_refuses_safely(expression):
 
 
 def test_code_task_reference_passes_the_sandbox_and_float_division_fails():
-    from rewards import verify_batch
+    from verifiers import verify_batch
     from tasks import CODE_INSTRUCTION, code_conversations, code_problems
     rows = code_problems("test", 12)
     assert all(r["prompt"][-1]["content"].endswith(CODE_INSTRUCTION) and " x " in r["prompt"][-1]["content"]
