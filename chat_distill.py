@@ -50,15 +50,14 @@ from chat_rl import update_policy
 from checkpoint import (load_config, load_model, load_tokenizer, resolve_model_path, resume_checkpoint, resume_state,
                         save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, compute_dtype, fit_warmup,
-                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, unwrap, wrap_model)
+                    learning_rate, lr_at, make_optimizer, nanopost_home, optimizer_step, peak_memory_mb, print0,
+                    progress, run_main, set_lr, unwrap, wrap_model)
 from data import rl_rows
 from engine import Engine
 from evaluation import heldout_scores
-from packing import micro_batches
 from rewards import Grader
-from rollout import (add_sampling_flags, batch_logprobs, draw_prompts, prompt_length, prompts_per_rank, sample,
-                     sampler_correction, training_batch)
+from rollout import (add_sampling_flags, batch_logprobs, draw_prompts, minibatches_of, prompt_length, prompts_per_rank,
+                     sample, sampler_correction, training_batch)
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import settle_chat_template
@@ -128,27 +127,16 @@ def kd_update(model, optimizer, batch, *, step, ppo_epochs=1, minibatches=2, mic
     forward passes of at most micro_batch_tokens, divided by the minibatch's global token count; log-probs
     at `temperature`. Returns sums over this rank: loss, updates, grad_norm."""
     totals = {"loss": 0.0, "updates": 0, "grad_norm": 0.0}
-    order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(step))
-    for _ in range(ppo_epochs):
-        for mb in order.tensor_split(minibatches):
-            n_tokens = all_reduce_sum(float(batch.mask[mb].sum()))
-            if n_tokens == 0:
-                continue
-            passes = micro_batches(batch.lengths[mb], micro_batch_tokens)
-            for j, part in enumerate(passes):
-                with no_sync(model, last=j == len(passes) - 1):
-                    if not part:
-                        idle_pass(model)
-                        continue
-                    i, cols = mb[part].to(batch.mask.device), int(batch.lengths[mb[part]].max())
-                    with autocast(batch.inputs.device):
-                        logp = model(batch.inputs[i, :cols], batch.targets[i, :cols], temperature=temperature)
-                    loss = kd_loss(logp, batch.mask[i, :cols], n_tokens)
-                    check_finite(loss, step + 1)
-                    loss.backward()
-                totals["loss"] += loss.item()
-            totals["grad_norm"] += optimizer_step(model, optimizer, grad_clip)
-            totals["updates"] += 1
+    for mb in minibatches_of(batch, step=step, epochs=ppo_epochs, count=minibatches):
+        for p in mb.passes([model], micro_batch_tokens):  # p(tensor): this forward pass's slice of it
+            with autocast(batch.inputs.device):
+                logp = model(p(batch.inputs), p(batch.targets), temperature=temperature)
+            loss = kd_loss(logp, p(batch.mask), mb.tokens)
+            check_finite(loss, step + 1)
+            loss.backward()
+            totals["loss"] += loss.item()
+        totals["grad_norm"] += optimizer_step(model, optimizer, grad_clip)
+        totals["updates"] += 1
     return totals
 
 
@@ -237,8 +225,8 @@ def main():
             batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device)
             diff = batch_logprobs(model, batch, args.micro_batch_tokens, temperature=args.temperature) - \
                 batch_logprobs(teacher, batch, args.micro_batch_tokens, temperature=args.temperature)
-            n_tokens = all_reduce_sum(float(batch.mask.sum()))
-            scores["reverse_kl"] = all_reduce_sum(float((diff * batch.mask).sum())) / n_tokens
+            sums = all_reduce_dict({"tokens": float(batch.mask.sum()), "kl": float((diff * batch.mask).sum())})
+            scores["reverse_kl"] = sums["kl"] / sums["tokens"]
         print0(f"eval @ step {step} ({time.time() - t0:.0f}s): " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()))
         return scores
 
@@ -283,32 +271,34 @@ def main():
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
-        # 4. log: sums over ranks divided by global counts
-        s = all_reduce_dict(rollouts.stats())
-        n_ans, n_tok = s["answers"], max(1.0, all_reduce_sum(float(mask.sum())))
-        kl_sum = all_reduce_sum(float(((student_logp - teacher_logp) * mask).sum()))
+        # 4. log: this rank's sums, added over the ranks in one collective, each then divided by its global count
+        s = all_reduce_dict({**rollouts.stats(), "tokens": float(mask.sum()),
+                             "kl": float(((student_logp - teacher_logp) * mask).sum()),
+                             "mismatch": float(((student_logp - batch.engine_logp).abs() * mask).sum()),
+                             "sample_tok_per_s": sum(len(c.tokens) for c in rollouts.completions) / max(t_sample, 1e-9),
+                             "train_tok_per_s": float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9),
+                             **{f"update_{k}": totals.get(k, 0.0) for k in ("loss", "clip_frac", "ratio", "tokens")}})
+        n_ans, n_tok, updates = s["answers"], max(1.0, s["tokens"]), max(1, totals["updates"])
         metrics = {
             # per token, before the update: on the student's samples (on-policy) log p_s - log p_t estimates the
             # reverse KL; on the teacher's (kd) log p_t - log p_s estimates the forward KL
-            **({"reverse_kl": kl_sum / n_tok} if args.mode == "on-policy" else {"forward_kl": -kl_sum / n_tok}),
+            **({"reverse_kl": s["kl"] / n_tok} if args.mode == "on-policy" else {"forward_kl": -s["kl"] / n_tok}),
             "accuracy": s["correct"] / n_ans,
-            "loss": all_reduce_sum(totals["loss"]) / max(1, totals["updates"]),
-            "grad_norm": totals["grad_norm"] / max(1, totals["updates"]),
+            "loss": s["update_loss"] / updates,
+            "grad_norm": totals["grad_norm"] / updates,
             "updates": totals["updates"],
             "length_mean": s["length_sum"] / n_ans,
             "truncated_frac": s["truncated"] / n_ans,
-            "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
-            "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
+            "sample_tok_per_s": s["sample_tok_per_s"],
+            "train_tok_per_s": s["train_tok_per_s"],
             "lr": lr,
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
         }
-        if args.mode == "on-policy":
-            n_upd = max(1.0, all_reduce_sum(totals["tokens"]))
-            mismatch = all_reduce_sum(float(((student_logp - batch.engine_logp).abs() * mask).sum())) / n_tok
-            metrics.update(clip_frac=all_reduce_sum(totals["clip_frac"]) / n_upd,
-                           ratio_mean=all_reduce_sum(totals["ratio"]) / n_upd,
-                           approx_kl=totals["approx_kl"] / max(1, totals["updates"]), logprob_mismatch=mismatch)
+        if args.mode == "on-policy":  # chat_rl's clipped objective: where the clip binds, the ratio, the KL moved
+            n_upd = max(1.0, s["update_tokens"])
+            metrics.update(clip_frac=s["update_clip_frac"] / n_upd, ratio_mean=s["update_ratio"] / n_upd,
+                           approx_kl=totals["approx_kl"] / updates, logprob_mismatch=s["mismatch"] / n_tok)
         over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget
         if eval_rows and ((step + 1) % args.eval_every == 0 or last):

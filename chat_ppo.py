@@ -41,8 +41,8 @@ import peak_memory
 from checkpoint import (load_config, load_model, load_tokenizer, load_training_state, reference_model,
                         resolve_model_path, resume_checkpoint, resume_state, save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup, global_mean_var,
-                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, unwrap, wrap_model)
+                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, optimizer_step, peak_memory_mb,
+                    print0, progress, run_main, set_lr, unwrap, wrap_model)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
@@ -50,8 +50,9 @@ from evaluation import heldout_scores
 from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
-from rollout import (add_rollout_flags, batch_logprobs, draw_prompts, kl_penalty, prompt_length, prompts_per_rank,
-                     rollout_metrics, sample, sampler_correction, training_batch)
+from rollout import (add_rollout_flags, batch_logprobs, clipped_surrogate, draw_prompts, importance_ratio, kl_penalty,
+                     minibatches_of, prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction,
+                     training_batch)
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import settle_chat_template
@@ -205,13 +206,11 @@ def ppo_losses(actor, critic, x, y, mask, *, old_logp, old_values, advantages, r
     m = mask.to(torch.float32)
     logp, entropy = actor(x, y, temperature=temperature, top_k=top_k, top_p=top_p, with_entropy=True)
     log_ratio = logp - old_logp                        # old_logp: the snapshot before this batch's first update
-    ratio = log_ratio.exp()
+    ratio = importance_ratio(log_ratio)                # exp of the log-ratio clamped to [-20, 20] (verl)
     with torch.no_grad():
         approx_kl = (((ratio - 1) - log_ratio) * m).sum()          # k3(sampling policy || current), summed
-        clipped = ((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).float()
-    pg_loss1 = -advantages * ratio                     # the surrogate: -min(r A, clip(r) A)
-    pg_loss2 = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
-    pg_loss = torch.max(pg_loss1, pg_loss2)
+    pg_loss, clipped = clipped_surrogate(ratio, advantages, eps_low, eps_high)  # -min(r A, clip(r) A); where the
+    clipped = clipped.float()                                                   # clip binds (verl's clip fraction)
     if weights is not None:
         pg_loss = pg_loss * weights
     pg_loss = (pg_loss * m).sum() / normalizer
@@ -373,88 +372,74 @@ def main():
         #    minibatch's losses are normalized by its GLOBAL answer-token count (see value_loss)
         st = {"policy_loss": 0.0, "value_loss": 0.0, "clip_sum": 0.0, "ratio_sum": 0.0, "value_clip_sum": 0.0,
               "tokens": 0.0, "approx_kl": 0.0}
-        n_updates, stopped_early = 0, False
-        order = torch.randperm(len(rollouts), generator=torch.Generator().manual_seed(step))
-        for epoch in range(args.ppo_epochs):
-            for mb in order.tensor_split(args.minibatches):  # the same number of steps on every rank
-                norm = all_reduce_sum(float(mask[mb].sum()))
-                if norm == 0:
-                    continue
-                mb_kl = 0.0
-                passes = micro_batches(batch.lengths[mb], args.micro_batch_tokens)
-                for j, part in enumerate(passes):
-                    last = j == len(passes) - 1  # DDP sums gradients over ranks only at the last pass
-                    with no_sync(actor, last), no_sync(critic, last):
-                        if not part:  # no answers left on this rank: join the others' collectives, train nothing
-                            idle_pass(actor)
-                            idle_pass(critic)
-                            continue
-                        i, cols = mb[part].to(device), int(batch.lengths[mb[part]].max())
-                        with autocast(device):
-                            actor_loss, critic_loss, mst = ppo_losses(
-                                actor, critic, batch.inputs[i, :cols], batch.targets[i, :cols], mask[i, :cols],
-                                old_logp=old_logp[i, :cols], old_values=old_values[i, :cols],
-                                advantages=advantages[i, :cols], returns=returns[i, :cols], normalizer=norm,
-                                eps_low=args.eps_low, eps_high=args.eps_high, value_clip=args.value_clip,
-                                entropy_coef=args.entropy_coef, weights=weights[i, :cols],
-                                **logits_settings)
-                        check_finite(actor_loss + critic_loss, step + 1)
-                        (actor_loss * train_actor + critic_loss).backward()
-                    st["policy_loss"] += mst["policy_loss"]
-                    st["value_loss"] += critic_loss.item()
-                    for k in ("clip_sum", "ratio_sum", "value_clip_sum"):
-                        st[k] += mst[k]
-                    st["tokens"] += float(mask[i].sum())
-                    mb_kl += mst["approx_kl_sum"]
-                optimizer_step(critic, critic_opt, args.grad_clip)
-                if train_actor:
-                    optimizer_step(actor, actor_opt, args.grad_clip)
-                else:
-                    actor_opt.zero_grad(set_to_none=True)
-                n_updates += 1
-                approx_kl = all_reduce_sum(mb_kl) / norm  # every rank sees the same number: same decision
-                st["approx_kl"] += approx_kl
-                if args.target_kl is not None and train_actor and approx_kl > args.target_kl:
-                    stopped_early = True
-                    break
-            if stopped_early:
+        n_updates = 0
+        for mb in minibatches_of(batch, step=step, epochs=args.ppo_epochs, count=args.minibatches):
+            approx_kl = 0.0
+            for p in mb.passes([actor, critic], args.micro_batch_tokens):  # p(tensor): this pass's slice of it
+                with autocast(device):
+                    actor_loss, critic_loss, mst = ppo_losses(
+                        actor, critic, p(batch.inputs), p(batch.targets), p(mask), old_logp=p(old_logp),
+                        old_values=p(old_values), advantages=p(advantages), returns=p(returns), normalizer=mb.tokens,
+                        eps_low=args.eps_low, eps_high=args.eps_high, value_clip=args.value_clip,
+                        entropy_coef=args.entropy_coef, weights=p(weights), **logits_settings)
+                check_finite(actor_loss + critic_loss, step + 1)
+                (actor_loss * train_actor + critic_loss).backward()  # two networks: each gets its own gradient
+                for k in ("policy_loss", "clip_sum", "ratio_sum", "value_clip_sum"):
+                    st[k] += mst[k]
+                st["value_loss"] += critic_loss.item()
+                st["tokens"] += float(p(mask).sum())
+                approx_kl += mst["approx_kl_sum"]
+            optimizer_step(critic, critic_opt, args.grad_clip)
+            if train_actor:
+                optimizer_step(actor, actor_opt, args.grad_clip)
+            else:
+                actor_opt.zero_grad(set_to_none=True)
+            n_updates += 1
+            st["approx_kl"] += (approx_kl := all_reduce_sum(approx_kl) / mb.tokens)  # the same on every rank
+            if args.target_kl is not None and train_actor and approx_kl > args.target_kl:
                 break
         t_train = time.time() - t1
 
-        # 5. the adaptive KL controller moves beta towards the target KL per answer
-        n_ans = all_reduce_sum(float(len(rollouts)))
-        kl_per_answer = all_reduce_sum(float(kl.sum())) / n_ans
+        # 5. this rank's sums, added over the ranks in one collective: the KL controller's input, and the log's
+        train_clock += time.time() - t_step
+        s = all_reduce_dict({**rollouts.stats(), "score": float(scores.sum()), "kl": float(kl.sum()),
+                             "verifier_errors": float(len(rollouts.errors)), "tokens": float(mask.sum()),
+                             "values": float(old_values.sum()), "returns": float(returns.sum()),
+                             "entropy": float((entropy * mask).sum()),
+                             "mismatch": float(((old_logp - batch.engine_logp).abs() * mask).sum()),
+                             "sample_tok_per_s": sum(len(c.tokens) for c in rollouts.completions) / max(t_sample, 1e-9),
+                             "train_tok_per_s": float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9),
+                             **{f"update_{k}": v for k, v in st.items() if k != "approx_kl"}})
+        # 6. the adaptive KL controller moves beta towards the target KL per answer
+        kl_per_answer = s["kl"] / s["answers"]
         if args.kl_target is not None:
             kl_beta = adaptive_kl_beta(kl_beta, kl_per_answer, target=args.kl_target, horizon=args.kl_horizon,
-                                       n_answers=n_ans)
+                                       n_answers=s["answers"])
 
-        # 6. log (every number summed over ranks) and stop when the time budget is spent
-        train_clock += time.time() - t_step
-        s = all_reduce_dict(rollouts.stats())  # the same names on every rank: one collective
-        n_tok = max(1.0, all_reduce_sum(float(mask.sum())))
-        n_passes = max(1.0, all_reduce_sum(st["tokens"]))
+        # 7. log, each sum divided by its global count, and stop when the time budget is spent
+        n_tok, n_passes, updates = max(1.0, s["tokens"]), max(1.0, s["update_tokens"]), max(1, n_updates)
         metrics = {
             **rollout_metrics(s),
-            "reward": all_reduce_sum(float(scores.sum())) / n_ans,               # the score, before the KL penalty
-            "length_max": max(len(c.tokens) for c in rollouts.completions),
-            "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
-            "kl": all_reduce_sum(float(kl.sum())) / n_tok,                       # per token (k-estimator of --kl-kind)
+            "reward": s["score"] / s["answers"],  # the score, before the KL penalty
+            "length_max": max(len(c.tokens) for c in rollouts.completions),  # this rank's
+            "verifier_errors": s["verifier_errors"],
+            "kl": s["kl"] / n_tok,  # per token (k-estimator of --kl-kind)
             "kl_per_answer": kl_per_answer,
             "kl_beta": kl_beta,
-            "value_loss": all_reduce_sum(st["value_loss"]) / max(1, n_updates),
-            "policy_loss": all_reduce_sum(st["policy_loss"]) / max(1, n_updates),
+            "value_loss": s["update_value_loss"] / updates,
+            "policy_loss": s["update_policy_loss"] / updates,
             "explained_var": explained_var,
-            "value_mean": all_reduce_sum(float(old_values.sum())) / n_tok,
-            "return_mean": all_reduce_sum(float(returns.sum())) / n_tok,
-            "clip_frac": all_reduce_sum(st["clip_sum"]) / n_passes,
-            "value_clip_frac": all_reduce_sum(st["value_clip_sum"]) / n_passes,
-            "ratio_mean": all_reduce_sum(st["ratio_sum"]) / n_passes,
-            "approx_kl": st["approx_kl"] / max(1, n_updates),
+            "value_mean": s["values"] / n_tok,
+            "return_mean": s["returns"] / n_tok,
+            "clip_frac": s["update_clip_sum"] / n_passes,  # where the clip binds (verl's pg_clipfrac)
+            "value_clip_frac": s["update_value_clip_sum"] / n_passes,
+            "ratio_mean": s["update_ratio_sum"] / n_passes,
+            "approx_kl": st["approx_kl"] / updates,  # (already over every rank)
             "updates": n_updates,
-            "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
-            "logprob_mismatch": all_reduce_sum(float(((old_logp - batch.engine_logp).abs() * mask).sum())) / n_tok,
-            "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
-            "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
+            "entropy": s["entropy"] / n_tok,  # of the sampling distribution
+            "logprob_mismatch": s["mismatch"] / n_tok,
+            "sample_tok_per_s": s["sample_tok_per_s"],
+            "train_tok_per_s": s["train_tok_per_s"],
             "tok_per_s": s["length_sum"] / max(time.time() - t_step, 1e-9),
             "lr": lr,
             "train_seconds": train_clock,

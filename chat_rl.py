@@ -55,19 +55,18 @@ import peak_memory
 from checkpoint import (load_config, load_model, load_tokenizer, reference_model, resolve_model_path, resume_checkpoint,
                         resume_state, save_checkpoint)
 from common import (UserError, all_reduce_dict, all_reduce_sum, autocast, check_finite, fit_warmup, global_mean_var,
-                    idle_pass, learning_rate, lr_at, make_optimizer, nanopost_home, no_sync, optimizer_step,
-                    peak_memory_mb, print0, progress, run_main, set_lr, unwrap, wrap_model)
+                    learning_rate, lr_at, make_optimizer, nanopost_home, optimizer_step, peak_memory_mb, print0,
+                    progress, run_main, set_lr, unwrap, wrap_model)
 from data import rl_rows
 from decontaminate import overlap_warning
 from engine import Engine
 from evaluation import heldout_scores
 from lora import adapters_off, add_lora_flags, lora_options
-from packing import micro_batches
 from rewards import Grader, grader_shapes
-from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, draw_prompts,
-                     dynamic_sampling, flat_answers, heldout_rewards, idle_warning, kl_penalty, kl_to_start,
-                     overlong_penalty, prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction,
-                     training_batch)
+from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, clipped_surrogate,
+                     draw_prompts, dynamic_sampling, flat_answers, heldout_rewards, idle_warning, importance_ratio,
+                     kl_penalty, kl_to_start, minibatches_of, overlong_penalty, prompt_length, prompts_per_rank,
+                     rollout_metrics, sample, sampler_correction, training_batch)
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import PROMPT_FORMATS, settle_chat_template
@@ -183,17 +182,15 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dua
         log_ratio = logp - logp.detach() + seq_log_ratio.detach()[:, None]  # value: sequence; grad: token
     elif level != "token":
         raise ValueError(f"unknown level {level!r}")
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
-    clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
+    ratio = importance_ratio(log_ratio)  # exp of the log-ratio clamped to [-20, 20] (verl)
     if loss_type == "ppo":
-        unclipped, clipped = -adv * ratio, -adv * clipped_ratio
-        per_token = torch.maximum(unclipped, clipped)  # the pessimistic side
-        is_clipped = clipped > unclipped
-        if dual_clip is not None:
+        per_token, is_clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)  # the pessimistic side, and where
+        if dual_clip is not None:                                                 # the clip binds
             per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
     elif loss_type == "cispo":
         if dual_clip is not None:
             raise ValueError("dual_clip bounds the PPO objective; CISPO has none to bound")
+        clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
         per_token = -clipped_ratio.detach() * adv * logp
         is_clipped = clipped_ratio != ratio
     else:
@@ -212,7 +209,7 @@ def aggregate(per_token, mask, agg="token-mean", normalizer=None, max_len=None):
       "seq-mean-token-mean" (paper GRPO): mean over answers of each answer's token mean.
       "seq-mean-token-sum-norm" (Dr. GRPO): sum over tokens / (answers x max_len), a constant.
     normalizer: the denominator (tokens, or answers) over the WHOLE global batch; pass it when the batch is
-    split into micro-batches or ranks, so the split cannot change the gradient (loss_normalizer).
+    split into micro-batches or ranks, so the split cannot change the gradient (rollout.Minibatch's counts).
     Example: two answers of 1 and 3 tokens, per-token losses [1] and [2, 2, 2]: token-mean 7 / 4 = 1.75;
     seq-mean-token-mean (1 + 2) / 2 = 1.5; seq-mean-token-sum-norm at max_len 4: 7 / (2 x 4) = 0.875."""
     if agg == "token-mean":
@@ -225,13 +222,6 @@ def aggregate(per_token, mask, agg="token-mean", normalizer=None, max_len=None):
             raise ValueError("seq-mean-token-sum-norm needs max_len (the constant normalizer)")
         return (per_token * mask).sum() / ((normalizer if normalizer is not None else per_token.size(0)) * max_len)
     raise ValueError(f"unknown agg {agg!r}")
-
-
-def loss_normalizer(mask, agg):
-    """This rank's share of the policy loss denominator: tokens for token-mean, answers otherwise (those with a
-    token to train: an answer masked whole, a flat group's under dynamic sampling or a truncated one under
-    --mask-truncated, is in no denominator)."""
-    return float(mask.sum()) if agg == "token-mean" else float((mask.sum(-1) > 0).sum())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,55 +242,38 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, step, loss_s
     advantages: (B,) one per answer, or (B, T) per token; weights: the sampler correction (B, T) or None;
     temperature, top_k, top_p: the distribution the answers were sampled from, which the log-probs are of.
     Returns sums over this rank's tokens and the updates' statistics."""
-    mask = batch.mask
     logits_settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     totals = {"loss": 0.0, "clip_frac": 0.0, "ratio": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0,
               "grad_norm": 0.0, "updates": 0}
-    order = torch.randperm(len(mask), generator=torch.Generator().manual_seed(step))
-    for epoch in range(ppo_epochs):
-        for mb in order.tensor_split(minibatches):  # the same number of steps on every rank
-            norm = all_reduce_sum(loss_normalizer(mask[mb], loss_settings.get("agg", "token-mean")))
-            n_tokens = all_reduce_sum(float(mask[mb].sum()))
-            if n_tokens == 0:
-                continue
-            mb_kl = 0.0  # sum over this minibatch's tokens of k3(sampling policy || current policy)
-            passes = micro_batches(batch.lengths[mb], micro_batch_tokens)
-            for j, part in enumerate(passes):
-                # DDP sums gradients over ranks only at the last pass (forward and backward)
-                with no_sync(model, last=j == len(passes) - 1):
-                    if not part:  # this rank has no answers left: join the others' collectives, train nothing
-                        idle_pass(model)
-                        continue
-                    i, cols = mb[part].to(mask.device), int(batch.lengths[mb[part]].max())
-                    x, y, m = batch.inputs[i, :cols], batch.targets[i, :cols], mask[i, :cols]
-                    with autocast(x.device):
-                        logp, entropy = model(x, y, with_entropy=True, **logits_settings) if entropy_coef > 0 else \
-                            (model(x, y, **logits_settings), None)
-                    adv = advantages[i] if advantages.dim() == 1 else advantages[i, :cols]
-                    loss, st = policy_loss(logp, old_logp[i, :cols], adv, m, normalizer=norm,
-                                           weights=None if weights is None else weights[i, :cols], **loss_settings)
-                    if mask_kl_coef > 0:  # prime-rl's pull towards the sampler, beside token-mask
-                        loss = loss + mask_kl_coef * ((logp - batch.engine_logp[i, :cols]) ** 2 * m).sum() / n_tokens
-                    if entropy_coef > 0:  # a bonus for spread-out distributions: subtract the entropy
-                        loss = loss - entropy_coef * (entropy * m).sum() / n_tokens
-                    if ref_logp is not None:  # the KL penalty to the frozen start, token-mean
-                        kl = kl_penalty(logp, ref_logp[i, :cols], kl_kind)
-                        loss = loss + kl_beta * (kl * m).sum() / n_tokens
-                        totals["kl"] += (kl_penalty(logp.detach(), ref_logp[i, :cols], "k3") * m).sum().item()
-                    check_finite(loss, step + 1)
-                    loss.backward()
-                log_ratio = (logp.detach() - old_logp[i, :cols]) * m
-                mb_kl += ((log_ratio.exp() - 1) - log_ratio).mul(m).sum().item()  # k3, as CleanRL logs it
-                totals["loss"] += loss.item()
-                totals["clip_frac"] += st["clip_frac"] * m.sum().item()
-                totals["ratio"] += st["ratio_mean"] * m.sum().item()
-                totals["tokens"] += m.sum().item()
-            totals["grad_norm"] += optimizer_step(model, optimizer, grad_clip)
-            totals["updates"] += 1
-            approx_kl = all_reduce_sum(mb_kl) / n_tokens
-            totals["approx_kl"] += approx_kl
-            if target_kl is not None and approx_kl > target_kl:
-                return totals
+    token_mean = loss_settings.get("agg", "token-mean") == "token-mean"
+    for mb in minibatches_of(batch, step=step, epochs=ppo_epochs, count=minibatches):
+        approx_kl = 0.0  # over the minibatch's tokens: k3(sampling policy || current policy), as CleanRL logs it
+        for p in mb.passes([model], micro_batch_tokens):  # p(tensor): this forward pass's slice of it
+            m = p(batch.mask)
+            with autocast(m.device):
+                logp, entropy = model(p(batch.inputs), p(batch.targets), with_entropy=True, **logits_settings) \
+                    if entropy_coef > 0 else (model(p(batch.inputs), p(batch.targets), **logits_settings), None)
+            pg_loss, st = policy_loss(logp, p(old_logp), p(advantages), m, weights=p(weights),
+                                      normalizer=mb.tokens if token_mean else mb.answers, **loss_settings)
+            # the loss, one weighted sum; each term after the first is off (and not computed) at coefficient 0
+            entropy_bonus = (entropy * m).sum() / mb.tokens if entropy_coef > 0 else 0.0
+            kl = (kl_penalty(logp, p(ref_logp), kl_kind) * m).sum() / mb.tokens if ref_logp is not None else 0.0
+            mask_kl = ((logp - p(batch.engine_logp)) ** 2 * m).sum() / mb.tokens if mask_kl_coef > 0 else 0.0
+            loss = pg_loss + mask_kl_coef * mask_kl - entropy_coef * entropy_bonus + kl_beta * kl
+            check_finite(loss, step + 1)
+            loss.backward()
+            log_ratio = (logp.detach() - p(old_logp)) * m
+            approx_kl += ((log_ratio.exp() - 1) - log_ratio).mul(m).sum().item()
+            if ref_logp is not None:  # the KL to the start, logged as k3 whatever --kl-kind the loss uses
+                totals["kl"] += (kl_penalty(logp.detach(), p(ref_logp), "k3") * m).sum().item()
+            for key, value in (("loss", loss.item()), ("clip_frac", st["clip_frac"] * m.sum().item()),
+                               ("ratio", st["ratio_mean"] * m.sum().item()), ("tokens", m.sum().item())):
+                totals[key] += value
+        totals["grad_norm"] += optimizer_step(model, optimizer, grad_clip)
+        totals["updates"] += 1
+        totals["approx_kl"] += (approx_kl := all_reduce_sum(approx_kl) / mb.tokens)
+        if target_kl is not None and approx_kl > target_kl:  # CleanRL's early stop, the same on every rank
+            break
     return totals
 
 
@@ -432,43 +405,48 @@ def main():
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
-        # 4. log: every number summed over ranks, then divided by its global count
-        s = all_reduce_dict(rollouts.stats())  # the same names on every rank: one collective
-        n_groups = all_reduce_sum(float(groups["groups"]))  # sampled, every round of dynamic sampling counted
-        n_tok = max(1.0, all_reduce_sum(float(mask.sum())))
-        n_tok_updates = max(1.0, all_reduce_sum(totals["tokens"]))
+        # 4. log: this rank's sums, added over the ranks in one collective, each then divided by its global count
+        s = all_reduce_dict({**rollouts.stats(), "groups": groups["groups"], "flat": groups["flat"],
+                             "flat_kept": float(flat.sum()), "verifier_errors": float(len(rollouts.errors)),
+                             "tokens": float(mask.sum()), "entropy": float((entropy * mask).sum()),
+                             "mismatch": float(((old_logp - batch.engine_logp).abs() * mask).sum()),
+                             "correction": float(weights.sum()), "masked": float(((weights == 0) & (mask > 0)).sum()),
+                             "kl_to_start": float(kl_to_start(old_logp, ref_logp, mask).sum()) if ref_logp is not None else 0.0,
+                             "sample_tok_per_s": sum(len(c.tokens) for c in rollouts.completions) / max(t_sample, 1e-9),
+                             "train_tok_per_s": float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9),
+                             **{f"update_{k}": totals[k] for k in ("loss", "clip_frac", "ratio", "tokens", "kl")}})
+        n_tok, n_tok_updates, updates = max(1.0, s["tokens"]), max(1.0, s["update_tokens"]), max(1, totals["updates"])
         metrics = {
             **rollout_metrics(s),
-            "length_max": max(len(c.tokens) for c in rollouts.completions),
-            "verifier_errors": all_reduce_sum(float(len(rollouts.errors))),
-            "flat_group_frac": all_reduce_sum(float(groups["flat"])) / max(1.0, n_groups),
-            "flat_groups_kept": all_reduce_sum(float(flat.sum())) / G,  # in the batch, masked: trained on nothing
-            "entropy": all_reduce_sum(float((entropy * mask).sum())) / n_tok,  # of the sampling distribution
-            "loss": all_reduce_sum(totals["loss"]) / max(1, totals["updates"]),
-            "clip_frac": all_reduce_sum(totals["clip_frac"]) / n_tok_updates,
-            "ratio_mean": all_reduce_sum(totals["ratio"]) / n_tok_updates,
-            "approx_kl": totals["approx_kl"] / max(1, totals["updates"]),
+            "length_max": max(len(c.tokens) for c in rollouts.completions),  # this rank's
+            "verifier_errors": s["verifier_errors"],
+            "flat_group_frac": s["flat"] / max(1.0, s["groups"]),  # sampled, every round of dynamic sampling counted
+            "flat_groups_kept": s["flat_kept"] / G,  # in the batch, masked: trained on nothing
+            "entropy": s["entropy"] / n_tok,  # of the sampling distribution
+            "loss": s["update_loss"] / updates,
+            "clip_frac": s["update_clip_frac"] / n_tok_updates,  # where the clip binds (verl's pg_clipfrac)
+            "ratio_mean": s["update_ratio"] / n_tok_updates,
+            "approx_kl": totals["approx_kl"] / updates,  # (already over every rank)
             "updates": totals["updates"],
-            "grad_norm": totals["grad_norm"] / max(1, totals["updates"]),
-            "logprob_mismatch": all_reduce_sum(float(((old_logp - batch.engine_logp).abs() * mask).sum())) / n_tok,
-            "correction_mean": all_reduce_sum(float(weights.sum())) / n_tok,  # the sampler correction's mean weight
-            "masked_frac": all_reduce_sum(float(((weights == 0) & (mask > 0)).sum())) / n_tok,
+            "grad_norm": totals["grad_norm"] / updates,
+            "logprob_mismatch": s["mismatch"] / n_tok,
+            "correction_mean": s["correction"] / n_tok,  # the sampler correction's mean weight
+            "masked_frac": s["masked"] / n_tok,
             "staleness": staleness,
-            "sample_tok_per_s": all_reduce_sum(s["length_sum"] / dist.world_size / max(t_sample, 1e-9)),
-            "train_tok_per_s": all_reduce_sum(float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9)),
+            "sample_tok_per_s": s["sample_tok_per_s"],
+            "train_tok_per_s": s["train_tok_per_s"],
             "lr": lr,
             "train_seconds": train_clock,
             "peak_mem_mb": peak_memory_mb(device),
+            # how far the policy that sampled this batch is from the start, per answer; the KL term, per token
+            **({"kl_to_start": s["kl_to_start"] / s["answers"]} if ref_model is not None else {}),
+            **({"kl": s["update_kl"] / n_tok_updates} if args.kl_beta > 0 else {}),
         }
-        if ref_model is not None:  # how far the policy that sampled this batch is from the start, per answer
-            metrics["kl_to_start"] = all_reduce_sum(float(kl_to_start(old_logp, ref_logp, mask).sum())) / s["answers"]
-        if args.kl_beta > 0:
-            metrics["kl"] = all_reduce_sum(totals["kl"]) / n_tok_updates
         idle_steps = idle_steps + 1 if metrics["flat_group_frac"] == 1.0 or metrics["grad_norm"] == 0.0 else 0
         metrics["idle_steps"] = idle_steps  # consecutive steps without a gradient
         if idle_steps == IDLE_PATIENCE:
             # the graders count every answer sampled, the resampled rounds' too: a share of those, not of the kept
-            print0(idle_warning(idle_steps, metrics.get("count/ungradable", 0.0) / max(1.0, n_groups * G)))
+            print0(idle_warning(idle_steps, metrics.get("count/ungradable", 0.0) / max(1.0, s["groups"] * G)))
         # rank 0's clock decides for all, so that every rank stops at the same step
         over_budget = args.time_budget > 0 and all_reduce_sum(train_clock if dist.is_main else 0.0) >= args.time_budget
         last = step + 1 == args.steps or over_budget

@@ -16,12 +16,13 @@ reference on the tokens it sampled, and `kl_to_start` per answer, as the over-op
 """
 import argparse
 import collections
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from common import Default, UserError, all_reduce_dict, autocast, dist_info, idle_pass, print0
+from common import Default, UserError, all_reduce_dict, autocast, dist_info, idle_pass, no_sync, print0
 from packing import IGNORE, micro_batches
 
 
@@ -321,6 +322,83 @@ def training_batch(prompts, completions, pad_id, device, mask_truncated=False) -
         eng[b, start:n] = torch.tensor(c.logprobs) * m[b, start:n]
     lengths = torch.tensor([len(s) - 1 for s in seqs])
     return TrainingBatch(x.to(device), y.to(device), m.to(device), eng.to(device), lengths)
+
+
+# ------------------------------------------------------------------------------------------------
+# The update: minibatches of a rollout batch, each in forward passes that fit (chat_rl, chat_ppo, chat_distill)
+
+@dataclass
+class Pass:
+    """One forward pass of a minibatch: its rows of the batch and the columns they need (the longest one's
+    length). Calling it slices a batch tensor to the pass: (B, T) -> (rows, cols), (B,) -> (rows,), None -> None."""
+    rows: torch.Tensor
+    cols: int
+
+    def __call__(self, t):
+        if t is None:
+            return None
+        return t[self.rows] if t.dim() == 1 else t[self.rows, :self.cols]
+
+
+@dataclass
+class Minibatch:
+    """A minibatch of a rollout batch: its rows, and the GLOBAL counts (every pass, every rank) its losses are
+    divided by, so that the split into passes and ranks cannot change the gradient (open-instruct#1137)."""
+    batch: TrainingBatch
+    rows: torch.Tensor
+    tokens: float    # loss-mask tokens: token-mean's denominator, and the entropy's, KL's
+    answers: float   # answers with a token to train: the per-answer aggregations' denominator
+
+    def passes(self, models, max_tokens):
+        """The forward passes of at most max_tokens tokens (padding included), each a Pass. Every rank runs as many
+        (each is a collective under DDP and FSDP2): a rank whose rows ran out runs an idle pass of every model,
+        training nothing, and yields nothing. DDP sums the gradients over ranks only at the last pass, the rest
+        under no_sync; the caller's forward and backward run inside that context (the generator is paused there)."""
+        parts = micro_batches(self.batch.lengths[self.rows], max_tokens)
+        for j, part in enumerate(parts):
+            with contextlib.ExitStack() as stack:
+                for model in models:
+                    stack.enter_context(no_sync(model, last=j == len(parts) - 1))
+                if not part:
+                    for model in models:
+                        idle_pass(model)
+                    continue
+                rows = self.rows[part].to(self.batch.mask.device)
+                yield Pass(rows, int(self.batch.lengths[self.rows[part]].max()))
+
+
+def minibatches_of(batch: TrainingBatch, *, step, epochs, count):
+    """`epochs` passes over the batch, each cut into `count` minibatches (the same number on every rank), in an
+    order drawn from `step` alone (a resumed run draws the same); a minibatch with no token to train on any rank
+    is skipped. Example: 6 answers, 2 epochs of 2: the rows of a permutation, [p0 p1 p2] and [p3 p4 p5], twice."""
+    order = torch.randperm(len(batch.mask), generator=torch.Generator().manual_seed(step))
+    for _ in range(epochs):
+        for rows in order.tensor_split(count):
+            mask = batch.mask[rows]
+            counts = all_reduce_dict({"tokens": float(mask.sum()), "answers": float((mask.sum(-1) > 0).sum())},
+                                     keys=("tokens", "answers"))
+            if counts["tokens"]:
+                yield Minibatch(batch, rows, counts["tokens"], counts["answers"])
+
+
+# ------------------------------------------------------------------------------------------------
+# The clipped surrogate's pieces, one definition each (chat_rl.policy_loss, chat_ppo.ppo_losses)
+
+def importance_ratio(log_ratio):
+    """exp(log_ratio), the log-ratio clamped to [-20, 20] first (verl): a token the policy has all but left
+    cannot underflow its ratio to 0, nor one it grabbed overflow it. Example: log-ratios -25, 0.1, 30 ->
+    2.06e-9, 1.1052, 4.85e8."""
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+
+
+def clipped_surrogate(ratio, advantages, eps_low, eps_high):
+    """PPO's pessimistic per-token loss max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A) = -min(r A, clip(r) A),
+    and where the clip binds: the clipped side is the larger loss, so the token gives no gradient. The share of
+    such tokens is the clip fraction as verl defines it (pg_clipfrac); CleanRL counts a ratio outside the range
+    instead, which also counts tokens whose unclipped side wins. Example, eps 0.2: A = +1, r = 1.5: loss -1.2,
+    binds; A = -1, r = 1.5: loss 1.5 (the unclipped side, the gradient flows), out of range but not bound."""
+    unclipped, clipped = -advantages * ratio, -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
 CORRECTIONS = ("token-tis", "token-mask", "sequence-tis", "sequence-mask", "none")

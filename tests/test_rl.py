@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from evaluation import pass_at_k
-from chat_rl import group_advantages, loss_normalizer, policy_loss
+from chat_rl import group_advantages, policy_loss
 from rollout import overlong_penalty
 from common import all_reduce_sum, cleanup_dist
 from packing import micro_batches
@@ -250,10 +250,12 @@ def synthetic_batch():
 
 
 def grad_of(model, prompts, comps, adv, agg):
-    from common import all_reduce_sum, init_dist, wrap_model
+    from common import init_dist, wrap_model
+    from rollout import minibatches_of
     init_dist("cpu")
     b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
-    norm = all_reduce_sum(loss_normalizer(b.mask, agg))
+    mb = next(minibatches_of(b, step=0, epochs=1, count=1))  # every rank's counts
+    norm = mb.tokens if agg == "token-mean" else mb.answers
     ddp = wrap_model(model)  # DistributedDataParallel under 2 ranks, summing gradients
     old = ddp(b.inputs, b.targets).detach() - 0.05
     loss, _ = policy_loss(ddp(b.inputs, b.targets), old, adv, b.mask, agg=agg, normalizer=norm, max_len=16)
@@ -725,11 +727,15 @@ def test_an_answer_masked_whole_is_in_no_denominator():
     """A flat group kept by dynamic sampling's last round, or an answer cut at the limit under --mask-truncated, is
     masked whole: it counts in no aggregation's denominator, tokens or answers. Example: answers of 2, 0 (masked)
     and 3 tokens: token-mean divides by 5, the two per-answer aggregations by 2 answers, not 3."""
-    from chat_rl import loss_normalizer
+    from rollout import TrainingBatch, flat_answers, minibatches_of
     mask = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 1, 1]])
-    assert loss_normalizer(mask, "token-mean") == 5.0
-    assert loss_normalizer(mask, "seq-mean-token-mean") == loss_normalizer(mask, "seq-mean-token-sum-norm") == 2.0
-    from rollout import flat_answers
+    batch = TrainingBatch(*(torch.zeros(3, 3),) * 4, torch.tensor([3, 3, 3]))
+    batch.mask = mask
+    (mb,) = minibatches_of(batch, step=0, epochs=1, count=1)
+    assert (mb.tokens, mb.answers) == (5.0, 2.0)
+    empty = TrainingBatch(*(torch.zeros(3, 3),) * 4, torch.tensor([3, 3, 3]))
+    assert list(minibatches_of(empty, step=0, epochs=1, count=1)) == []  # nothing to train on any rank: skipped
+
     assert flat_answers(torch.tensor([1.0, 0, 1, 1, 0.5, 0.5]), 2).tolist() == [False, False, True, True, True, True]
 
 

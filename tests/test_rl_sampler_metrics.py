@@ -76,7 +76,7 @@ def test_engine_dtype_flag_names_the_engines_dtype(tok, monkeypatch):
 def rl_step(home, init, *extra):
     args = [os.path.join(REPO, "chat_rl.py"), "--init", init, "--num-prompts", "16", "--steps", "1",
             "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "16", "--eval-problems", "0",
-            "--save-every", "100", "--max-resample", "0", *extra]
+            "--save-every", "100", "--no-dynamic-sampling", *extra]
     env = {**os.environ, "NANOPOST_HOME": str(home), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
