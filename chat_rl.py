@@ -235,8 +235,9 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, step, loss_s
     (its settings: loss_settings, e.g. {"eps_low": 0.2, "eps_high": 0.28, "agg": "token-mean"}), and, each
     off at 0: minus entropy_coef times the entropy, plus kl_beta times the KL to the reference (ref_logp, by
     kl_kind), plus mask_kl_coef times the squared log-ratio to the sampler (prime-rl, with token-mask).
-    Every term is divided by its GLOBAL normalizer over the minibatch (all passes, all ranks), so the split
-    into passes and ranks cannot change the gradient. After each optimizer step the approximate KL between
+    Every term is aggregated as the policy loss is (--agg, as verl and TRL do: paper GRPO's KL is a per-answer
+    mean too), over the GLOBAL counts of the minibatch (all passes, all ranks), so the split into passes and ranks
+    cannot change the gradient. After each optimizer step the approximate KL between
     the sampling policy and the current one is measured over all ranks; past target_kl the remaining
     updates of this batch are skipped (every rank sees the same number, so every rank stops).
     advantages: (B,) one per answer, or (B, T) per token; weights: the sampler correction (B, T) or None;
@@ -245,20 +246,24 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, step, loss_s
     logits_settings = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     totals = {"loss": 0.0, "clip_frac": 0.0, "ratio": 0.0, "approx_kl": 0.0, "kl": 0.0, "tokens": 0.0,
               "grad_norm": 0.0, "updates": 0}
-    token_mean = loss_settings.get("agg", "token-mean") == "token-mean"
+    agg, max_len = loss_settings.get("agg", "token-mean"), loss_settings.get("max_len")
     for mb in minibatches_of(batch, step=step, epochs=ppo_epochs, count=minibatches):
+        normalizer = mb.tokens if agg == "token-mean" else mb.answers
         approx_kl = 0.0  # over the minibatch's tokens: k3(sampling policy || current policy), as CleanRL logs it
         for p in mb.passes([model], micro_batch_tokens):  # p(tensor): this forward pass's slice of it
             m = p(batch.mask)
             with autocast(m.device):
                 logp, entropy = model(p(batch.inputs), p(batch.targets), with_entropy=True, **logits_settings) \
                     if entropy_coef > 0 else (model(p(batch.inputs), p(batch.targets), **logits_settings), None)
-            pg_loss, st = policy_loss(logp, p(old_logp), p(advantages), m, weights=p(weights),
-                                      normalizer=mb.tokens if token_mean else mb.answers, **loss_settings)
+            pg_loss, st = policy_loss(logp, p(old_logp), p(advantages), m, weights=p(weights), normalizer=normalizer,
+                                      **loss_settings)
+
+            def mean(per_token):  # every term aggregated as the policy loss is (--agg), as verl and TRL do
+                return aggregate(per_token, m, agg, normalizer, max_len)
             # the loss, one weighted sum; each term after the first is off (and not computed) at coefficient 0
-            entropy_bonus = (entropy * m).sum() / mb.tokens if entropy_coef > 0 else 0.0
-            kl = (kl_penalty(logp, p(ref_logp), kl_kind) * m).sum() / mb.tokens if ref_logp is not None else 0.0
-            mask_kl = ((logp - p(batch.engine_logp)) ** 2 * m).sum() / mb.tokens if mask_kl_coef > 0 else 0.0
+            entropy_bonus = mean(entropy) if entropy_coef > 0 else 0.0
+            kl = mean(kl_penalty(logp, p(ref_logp), kl_kind)) if ref_logp is not None else 0.0
+            mask_kl = mean((logp - p(batch.engine_logp)) ** 2) if mask_kl_coef > 0 else 0.0
             loss = pg_loss + mask_kl_coef * mask_kl - entropy_coef * entropy_bonus + kl_beta * kl
             check_finite(loss, step + 1)
             loss.backward()

@@ -140,7 +140,7 @@ MUTANTS = [
            "the RL loss mask covers forced tool-result tokens"),
     # normalizers
     Mutant("rl-normalizer-per-pass", "chat_rl.py",
-           "normalizer=mb.tokens if token_mean else mb.answers,", "normalizer=None,",
+           "weights=p(weights), normalizer=normalizer,", "weights=p(weights), normalizer=None,",
            (UPDATE + "[token-ppo-token-mean]",),
            "each forward pass divides by its own token count, not the minibatch's (open-instruct#1137)"),
     Mutant("seq-mean-divides-by-padded-length", "chat_rl.py",
@@ -172,7 +172,7 @@ MUTANTS = [
            "GAE drops lambda: Monte-Carlo advantages"),
     # the policy loss and its wiring in the loop
     Mutant("rl-kl-k3-in-loss", "chat_rl.py",
-           "kl = (kl_penalty(logp, p(ref_logp), kl_kind) * m)", 'kl = (kl_penalty(logp, p(ref_logp), "k3") * m)',
+           "kl = mean(kl_penalty(logp, p(ref_logp), kl_kind))", 'kl = mean(kl_penalty(logp, p(ref_logp), "k3"))',
            (UPDATE + "[token-ppo-token-mean-k2]", UPDATE + "[token-ppo-token-mean-k1]"),
            "chat_rl puts k3 into the loss whatever --kl-kind says (trl#4637)"),
     Mutant("rl-level-ignored", "chat_rl.py",
@@ -201,6 +201,11 @@ MUTANTS = [
            (RL + "test_kl_estimator_gradients_against_the_analytic_kl",),
            "k2 without its 1/2: twice the KL gradient"),
     # the ratio snapshot
+    Mutant("rl-kl-term-always-token-mean", "chat_rl.py",
+           "                return aggregate(per_token, m, agg, normalizer, max_len)",
+           "                return (per_token * m).sum() / mb.tokens",
+           (RL + "test_the_paper_grpo_command_computes_the_papers_objective",),
+           "the KL term is a token mean whatever --agg, not the paper GRPO's per-answer mean"),
     Mutant("rl-ratio-against-itself", "chat_rl.py",
            "policy_loss(logp, p(old_logp), p(advantages), m,", "policy_loss(logp, logp.detach(), p(advantages), m,",
            (UPDATE + "[token-ppo-token-mean]",),

@@ -773,3 +773,42 @@ def test_rollout_stats_count_tool_use_and_accuracy_with_and_without_a_call():
     # answers 1 and 3 called the tool (one right, one wrong, one error), answers 2 and 4 did not (one right)
     assert (s["tool_answers"], s["tool_calls"], s["tool_errors"]) == (2.0, 5.0, 1.0)
     assert (s["correct"], s["correct_with_tool"], s["length_sum"]) == (2.0, 1.0, 19.0)
+
+
+def test_the_paper_grpo_command_computes_the_papers_objective():
+    """docs/rl.md's paper GRPO command, its update on the enumerable world: the gradient handed to the optimizer is
+    that of DeepSeekMath's equation (3) (arXiv:2402.03300) over a group of G answers, written out here from the
+    paper: J = 1/G sum_i 1/|o_i| sum_t [min(r A_i, clip(r, 0.8, 1.2) A_i) - 0.04 (q/p - log(q/p) - 1)], r = p / p_old,
+    q the reference, A_i the group-normalized reward (population std), the loss -J."""
+    import exact
+    from chat_rl import parser, step_advantages, update_policy, update_settings
+    from rollout import TrainingBatch
+    command = next(line for line in open(os.path.join(REPO, "docs", "rl.md")) if "--kl-kind k3" in line
+                   and line.startswith("python chat_rl.py"))
+    args = parser.parse_args(command.split()[2:] + ["--ppo-epochs", "1", "--minibatches", "1", "--grad-clip", "0",
+                                                     "--max-new-tokens", str(exact.MAX_LEN)])
+    assert (args.agg, args.eps_low, args.eps_high, args.kl_beta, args.kl_kind, args.dynamic_sampling,
+            args.correction) == ("seq-mean-token-mean", 0.2, 0.2, 0.04, "k3", False, "none")
+    model, G = exact.tiny_policy(), 8
+    ref = exact.perturbed(model, 0.3, seed=4)
+    with torch.no_grad():  # the snapshot that sampled, off the current weights so that some ratios clip
+        old_model = exact.perturbed(model, 0.05, seed=5)
+        batch, old = exact.sample(exact.token_logprobs(old_model), G, torch.Generator().manual_seed(0))
+        ref_logp = exact.token_logprobs(ref, batch).float()
+    old, mask = old.float(), batch.mask.float()
+    adv = step_advantages(batch.rewards.float(), G, args.scale, args.estimator)
+    tb = TrainingBatch(batch.inputs, batch.targets, mask, old, mask.sum(-1).long())
+    opt = RecordingOptimizer(model)
+    update_policy(model, opt, tb, old_logp=old, advantages=adv, ref_logp=ref_logp, step=0, **update_settings(args))
+
+    logp = model(batch.inputs, batch.targets)
+    r, a = torch.exp(logp - old), adv[:, None]
+    surrogate = torch.minimum(r * a, r.clamp(0.8, 1.2) * a)
+    log_q_over_p = ref_logp - logp
+    k3 = torch.exp(log_q_over_p) - log_q_over_p - 1
+    J = (((surrogate - 0.04 * k3) * mask).sum(-1) / mask.sum(-1)).mean()
+    want = torch.autograd.grad(-J, opt.params)
+    assert ((r > 1.2) | (r < 0.8))[mask > 0].any() and (adv != 0).any()  # the clip and the advantages act
+    assert len(set(mask.sum(-1).tolist())) > 1  # answers of several lengths: per-answer means differ from token-mean
+    for got, w in zip(opt.steps[0], want):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
