@@ -369,6 +369,10 @@ def main():
     # departures from on-policy sampling: --off-policy and --staleness sample with older weights
     behind = StaleSampler(engine, sample_step, off_policy=args.off_policy, staleness=args.staleness, steps=args.steps) \
         if args.off_policy or args.staleness else None
+    if behind and start_step:  # the older weights it samples with are not in the checkpoint: said, not hidden
+        print0(f"note: a resumed {'--off-policy' if args.off_policy else f'--staleness {args.staleness}'} run samples "
+               f"its first {1 if args.off_policy else args.staleness} step(s) with weights fresher than the "
+               f"uninterrupted run would have: its numbers from here differ from that run's")
 
     log = open_run(args, out_dir, "rl")  # every input checked: now --overwrite replaces the old run
     final_scores = None
@@ -376,7 +380,7 @@ def main():
         final_scores = evaluate(0)
         log.log(0, train_seconds=0.0, **{f"eval/{k}": v for k, v in final_scores.items()})
     warmup_steps = fit_warmup(args.warmup_steps, args.steps)
-    idle_steps = 0
+    idle_steps = state.get("idle_steps", 0)  # consecutive steps without a gradient: part of the resumed state
     bar = progress(range(start_step, args.steps), initial=start_step, total=args.steps, desc="rl")
     for step in bar:
         t_step = time.time()
@@ -464,7 +468,7 @@ def main():
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
         if (step + 1) % args.save_every == 0 or last:
             save_checkpoint(out_dir, step + 1, model, tok, optimizer,
-                            {"run_config": vars(args), "train_seconds": train_clock})
+                            {"run_config": vars(args), "train_seconds": train_clock, "idle_steps": idle_steps})
         if over_budget:
             print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
             break

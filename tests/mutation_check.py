@@ -498,6 +498,9 @@ MUTANTS = [
            ("tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour"
             "[rl-data-source-by-substring]",),
            "a verl data_source holding 'math' anywhere in its name is graded as boxed math"),
+    Mutant("rl-resume-resets-idle-count", "chat_rl.py", 'idle_steps = state.get("idle_steps", 0)', "idle_steps = 0",
+           ("tests/test_run_dir.py::test_rl_resume_keeps_its_idle_count_and_says_what_a_stale_sampler_loses",),
+           "a resumed RL run counts its idle steps from 0: the warning comes late, or never"),
     Mutant("idle-warning-over-kept-answers", "chat_rl.py", 'max(1.0, s["groups"] * G)', 's["answers"]',
            ("tests/test_run_dir.py::test_rl_that_cannot_learn_says_so[resampled]",),
            "the idle warning's share counts every resampled round over the answers kept: '400% had no answer'"),

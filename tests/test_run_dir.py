@@ -158,3 +158,18 @@ def test_a_chain_of_three_lora_adapters_survives_its_first_run_going_on(tmp_path
     r = run(tmp_path, "chat_sft.py", "--init", tiny_chat, "--run-name", "a", "--steps", "6", *SFT, *lora, "--resume")
     assert r.returncode == 0 and sorted(os.listdir(tmp_path / "sft" / "a" / "checkpoints")) == ["step_000005",
                                                                                                 "step_000006"]
+
+
+def test_rl_resume_keeps_its_idle_count_and_says_what_a_stale_sampler_loses(tmp_path, tiny_chat):
+    """What chat_rl carries from step to step comes back on --resume: the count of idle steps in a row (a run
+    resumed after two idle steps warns at its third, as the uninterrupted run does). What it cannot bring back, a
+    stale sampler's older weights, the resumed run says it lost."""
+    rl = ["--init", tiny_chat, "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "8",
+          "--eval-problems", "0", "--num-prompts", "8", "--no-dynamic-sampling", "--save-every", "1"]
+    assert run(tmp_path, "chat_rl.py", *rl, "--steps", "2").returncode == 0
+    r = run(tmp_path, "chat_rl.py", *rl, "--steps", "3", "--resume")
+    assert r.returncode == 0 and "3 steps in a row learned nothing" in r.stdout, r.stderr[-2000:]
+    r = run(tmp_path, "chat_rl.py", *rl, "--steps", "2", "--staleness", "1", "--run-name", "stale")
+    assert r.returncode == 0 and "fresher" not in r.stdout
+    r = run(tmp_path, "chat_rl.py", *rl, "--steps", "3", "--staleness", "1", "--run-name", "stale", "--resume")
+    assert r.returncode == 0 and "--staleness 1 run samples its first 1 step(s) with weights fresher" in r.stdout
