@@ -498,6 +498,13 @@ MUTANTS = [
            ("tests/test_mistakes.py::test_each_mistake_gets_one_clean_line_or_the_right_behaviour"
             "[rl-data-source-by-substring]",),
            "a verl data_source holding 'math' anywhere in its name is graded as boxed math"),
+    Mutant("log-ratio-unclamped", "rollout.py", "torch.exp(log_ratio.clamp(-20.0, 20.0))", "torch.exp(log_ratio)",
+           (RL + "test_one_ratio_and_one_clip_fraction_for_both_surrogates",),
+           "the log-ratio is not clamped before exp: a token the policy left underflows its ratio to 0"),
+    Mutant("clip-fraction-counts-out-of-range", "rollout.py", "return torch.maximum(unclipped, clipped), clipped > unclipped",
+           "return torch.maximum(unclipped, clipped), (ratio < 1 - eps_low) | (ratio > 1 + eps_high)",
+           (RL + "test_one_ratio_and_one_clip_fraction_for_both_surrogates",),
+           "clip_frac counts every ratio out of range (CleanRL's), not where the clip binds (verl's)"),
     Mutant("rl-resume-resets-idle-count", "chat_rl.py", 'idle_steps = state.get("idle_steps", 0)', "idle_steps = 0",
            ("tests/test_run_dir.py::test_rl_resume_keeps_its_idle_count_and_says_what_a_stale_sampler_loses",),
            "a resumed RL run counts its idle steps from 0: the warning comes late, or never"),

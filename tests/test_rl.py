@@ -812,3 +812,16 @@ def test_the_paper_grpo_command_computes_the_papers_objective():
     assert len(set(mask.sum(-1).tolist())) > 1  # answers of several lengths: per-answer means differ from token-mean
     for got, w in zip(opt.steps[0], want):
         torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
+
+
+def test_one_ratio_and_one_clip_fraction_for_both_surrogates():
+    """rollout.importance_ratio and clipped_surrogate, shared by chat_rl and chat_ppo: the log-ratio clamped to
+    [-20, 20] before exp (where the clamp binds), and the clip fraction counting the tokens where the clipped side
+    wins (verl's), not every ratio out of range (CleanRL's): a negative advantage with r = 1.5 is out of range,
+    but its unclipped side is the larger loss and its gradient flows."""
+    from rollout import clipped_surrogate, importance_ratio
+    r = importance_ratio(torch.tensor([-25.0, 0.1, 30.0]))
+    torch.testing.assert_close(r, torch.tensor([math.exp(-20), math.exp(0.1), math.exp(20)]))
+    loss, binds = clipped_surrogate(torch.tensor([1.5, 1.5, 0.5, 1.1]), torch.tensor([1.0, -1.0, -1.0, 1.0]), 0.2, 0.2)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, 1.5, 0.8, -1.1]))
+    assert binds.tolist() == [True, False, True, False]
