@@ -92,7 +92,7 @@ MUTANTS = [
            "        if True:\n            raise UserError(f\"step {step}: the loss",
            ("tests/test_dist.py::test_a_nan_on_one_rank_stops_every_rank_naming_it",),
            "a NaN loss stops only its own rank, unheard, while the others wait in a collective (#51)"),
-    Mutant("engine-copies-fused-weights", "model.py",
+    Mutant("engine-copies-fused-weights", "lora.py",
            "    return first.as_strided((sum(w.size(0) for w in weights), first.size(1)), first.stride())",
            "    return torch.cat(weights)",
            ("tests/test_lora.py::test_the_engine_shares_a_lora_base_instead_of_fused_copies",),
