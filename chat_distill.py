@@ -161,7 +161,8 @@ def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict
     memory.py --init FOLDER distill [flags]` prints. The student trains, the teacher only runs forward."""
     return peak_memory.rollout_estimate(
         trained=[peak_memory.Shape.of(load_config(init))], frozen=[peak_memory.Shape.of(load_config(teacher_folder(args)))],
-        answers=args.prompts_per_step // world_size * args.samples_per_prompt, prompt_len=prompt_len,
+        answers=args.prompts_per_step // world_size * args.samples_per_prompt,
+        prompts=args.prompts_per_step // world_size, prompt_len=prompt_len,
         max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
         world_size=world_size, fsdp=args.fsdp, cuda=cuda, grad_checkpointing=args.grad_checkpointing)
 

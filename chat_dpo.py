@@ -164,7 +164,7 @@ def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
     return peak_memory.estimate(trained=[policy], frozen=[policy] * live_ref, lora_rank=args.lora_rank,
                                 micro_batch_tokens=min(args.micro_batch_tokens, step_tokens), world_size=world_size, fsdp=args.fsdp,
                                 cuda=cuda, grad_checkpointing=args.grad_checkpointing,
-                                sample_rows=32 * args.samples if args.pairs == "on-policy" else 0,
+                                sample_rows=32 * args.samples if args.pairs == "on-policy" else 0, sample_prompts=32,
                                 sample_tokens=args.max_len)
 
 

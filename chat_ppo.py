@@ -245,7 +245,8 @@ def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict
     use_kl = args.kl_beta > 0 or args.kl_target is not None
     return peak_memory.rollout_estimate(
         trained=[policy, value], frozen=[policy] * (use_kl and not args.lora_rank) + grader_shapes(args.reward),
-        answers=args.prompts_per_step // world_size * args.samples_per_prompt, prompt_len=prompt_len,
+        answers=args.prompts_per_step // world_size * args.samples_per_prompt,
+        prompts=args.prompts_per_step // world_size, prompt_len=prompt_len,
         max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
         lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp, cuda=cuda,
         grad_checkpointing=args.grad_checkpointing)

@@ -300,7 +300,8 @@ def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict
     policy = peak_memory.Shape.of(load_config(init))
     return peak_memory.rollout_estimate(
         trained=[policy], frozen=[policy] * ((args.kl_beta > 0 or args.log_kl_to_start) and not args.lora_rank) + grader_shapes(args.reward),
-        answers=args.prompts_per_step // world_size * args.group_size, prompt_len=prompt_len,
+        answers=args.prompts_per_step // world_size * args.group_size, prompts=args.prompts_per_step // world_size,
+        prompt_len=prompt_len,
         max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
         lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp, cuda=cuda,
         grad_checkpointing=args.grad_checkpointing)

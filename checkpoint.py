@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.tensor import distribute_tensor
 
 from common import UserError, barrier, compute_dtype, dist_info, print0, reshard, shard_model, unwrap
-from lora import LORA_TARGETS, adapter_chain, add_lora, lora_init_tensors, merged_updates, read_adapter, save_adapter
+from lora import (LORA_TARGETS, adapter_chain, add_lora, fuse_projections, lora_init_tensors, merged_updates,
+                  read_adapter, save_adapter)
 from model import GPT, GPTConfig, rope_inv_freq
 from rundir import PINS, latest_checkpoint, list_checkpoints, live_dependents
 from tokenizer import Tokenizer
@@ -230,7 +231,7 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
         raise UserError(f"{path}: checkpoint lacks tensors {sorted(missing)[:5]}...")
     model._init_rope(device)
     if lora and shard is None:  # the frozen base's q/k/v and gate/up in one tensor each, which the engine shares
-        model.fuse_projections()
+        fuse_projections(model)
     return model if shard is not None else model.to(device)  # (.to would replace FSDP's sharded parameters)
 
 

@@ -55,18 +55,18 @@ and log-prob 0, then the row samples again. The completion is therefore the very
 trainer will score: nothing is decoded to text and re-tokenized.
 """
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import compute_dtype, unwrap
-from lora import LoRALinear, add_lora, lora_layers
-from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, process_logits, rms_norm, stacked_rows
+from lora import LoRALinear, add_lora, fuse_projections, lora_layers, stacked_rows
+from model import (GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, masked_attention_kernel, process_logits,
+                   rms_norm)
 from tokenizer import parse_tool_calls
 
 
@@ -218,7 +218,7 @@ def fused_decode(model, tokens, kv_cache, weights, length):
         # each kv head's group of query heads (pre-scaled) as its query axis: one plain attention call,
         # which keeps the scores in float32 in bfloat16 too
         q = qk[:, :H].reshape(B, Hk, H // Hk, D)
-        with decode_attention_backend(q.device):
+        with masked_attention_kernel(q.device):
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=1.0)
         y = y.reshape(B, H * D)
         x = add_low_rank(torch.addmm(x, y, w_o_t), y, lr_o)
@@ -229,14 +229,6 @@ def fused_decode(model, tokens, kv_cache, weights, length):
     end.add_(1)
     pos.add_(1)
     return head_logits(rms_norm(x, model.model.norm.weight, eps), weights["head"], weights["head_precision"])
-
-
-def decode_attention_backend(device):
-    """On CUDA, decode attention runs on the memory-efficient kernel, pinned: it takes the mask (flash takes
-    none), and never cuDNN, whose graph cache is keyed on the key length: a cuDNN kernel would build a new
-    graph whenever the cache grows, 42-400 ms each (pytorch/pytorch#191576, flashinfer-ai/flashinfer#5245).
-    On CPU, torch's own choice (its flash kernel takes masks)."""
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if device.type == "cuda" else nullcontext()
 
 
 def fused_low_rank(linears, row_scale=None):
@@ -386,7 +378,7 @@ class Engine:
                 setattr(model.get_submodule(module_name), attr, nn.Parameter(w, requires_grad=False))
             if master.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight
-            model.fuse_projections()  # q/k/v and gate/up as one tensor each: decode_weights then copies nothing
+            fuse_projections(model)  # q/k/v and gate/up as one tensor each: decode_weights then copies nothing
             # the RoPE tables in the compute dtype too, so no step casts them
             model.rope_cos = master.rope_cos.to(self.dtype)
             model.rope_signed_sin = master.rope_signed_sin.to(self.dtype)

@@ -123,6 +123,37 @@ def adapters_off(model):
         for m in layers:
             m.enabled = True
 
+@torch.no_grad()
+def fuse_projections(model):
+    """Store each block's q, k, v weights as the row blocks of one tensor, and gate, up likewise: the parameters
+    become views of it, their values unchanged, so that the engine's fused matmuls read them in place
+    (stacked_rows) instead of keeping fused copies (9 GB at Qwen3-8B). For frozen weights: a LoRA base (at load,
+    checkpoint.load_hf) and the engine's own copy; an optimizer or FSDP wants each trained parameter apart."""
+    for block in model.model.layers:
+        for group in ((block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj),
+                      (block.mlp.gate_proj, block.mlp.up_proj)):
+            fused = stacked_rows([m.weight for m in group])  # already one tensor (a shared LoRA base): kept
+            row = 0
+            for m in group:
+                rows = m.weight.size(0)
+                m.weight = nn.Parameter(fused[row:row + rows], requires_grad=m.weight.requires_grad)
+                row += rows
+
+
+def stacked_rows(weights):
+    """The matrices (rows_i, C) stacked by rows into one: a view, with no copy, when they already lie so in one
+    tensor (GPT.fuse_projections: a LoRA base, the engine's own copy), else torch.cat (engine.decode_weights;
+    Llama's q is scaled there first, a new tensor, so its q, k, v are copied)."""
+    first = weights[0]
+    offset = first.storage_offset()
+    for w in weights:
+        if not (w.is_contiguous() and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                and w.storage_offset() == offset and w.dtype == first.dtype):
+            return torch.cat(weights)
+        offset += w.numel()
+    return first.as_strided((sum(w.size(0) for w in weights), first.size(1)), first.stride())
+
+
 # ------------------------------------------------------------------------------------------------
 # The flags every stage shares
 

@@ -21,12 +21,13 @@ it one to one (parameter names are exactly transformers' names, e.g. `model.laye
   This file imports only torch.
 """
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 
@@ -209,8 +210,16 @@ class Attention(nn.Module):
         elif mask is None:  # plain causal self-attention: the fast path
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:  # the engine's prefill: left-padded prompts, isolated from their padding by a mask
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            with masked_attention_kernel(q.device):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def masked_attention_kernel(device):
+    """Attention with a mask (the engine's prefill and decode) pinned, on CUDA, to the memory-efficient kernel: it
+    takes the mask (flash takes none), and never cuDNN, whose graph cache is keyed on the key length, so that it
+    would build a graph whenever the KV cache grows, 42-400 ms each (pytorch/pytorch#191576, flashinfer#5245)."""
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if device.type == "cuda" else nullcontext()
 
 
 @dataclass
@@ -223,11 +232,10 @@ class PackedDocuments:
     and a document joins it while longer than half of that (so each is padded to less than twice its length,
     and documents of one length cost exactly what they cost as rows of their own). The padding copies the
     document's last token and sits after it, where causal attention never looks back from a real token.
-    Example: doc_ids [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]] (flat tokens 0..11: documents of 3, 2, 1, 4
-    and 2 tokens) gives three batches, [[6, 7, 8, 9], [0, 1, 2, 2]] (4 and 3 tokens, padded to 4),
-    [[3, 4], [10, 11]] and [[5]]; `inverse`, each flat token's place among the batches' outputs concatenated
-    (8 + 4 + 1 rows), is [4, 5, 6, 8, 9, 12, 0, 1, 2, 3, 10, 11]. (Why not FlexAttention or varlen_attn, which
-    torch 2.13 runs backward only on CUDA: docs/speed.md.)"""
+    Example: doc_ids [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 1, 1]] (flat tokens 0..11: documents of 3, 2, 1, 4, 2
+    tokens) gives batches [[6, 7, 8, 9], [0, 1, 2, 2]], [[3, 4], [10, 11]] and [[5]]; `inverse` (each token's
+    place in their outputs, concatenated) is [4, 5, 6, 8, 9, 12, 0, 1, 2, 3, 10, 11]. (Not FlexAttention nor
+    varlen_attn: torch 2.13 runs their backward only on CUDA, docs/speed.md.)"""
     batches: list            # per batch, (documents, padded length): the flat token index (row * T + column)
     inverse: torch.Tensor    # (B * T,): each token's row in the batches' outputs, flattened and concatenated
 
@@ -467,22 +475,6 @@ class GPT(nn.Module):
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # tied weights count once
 
-    @torch.no_grad()
-    def fuse_projections(self):
-        """Store each block's q, k, v weights as the row blocks of one tensor, and gate, up likewise: the
-        parameters become views of it, their values unchanged, so that the engine's fused matmuls read them in
-        place (engine.stacked_rows) instead of keeping fused copies (9 GB at Qwen3-8B). For frozen weights (a
-        LoRA base, the engine's own copy): an optimizer or FSDP wants each trained parameter a tensor of its own."""
-        for block in self.model.layers:
-            for group in ((block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj),
-                          (block.mlp.gate_proj, block.mlp.up_proj)):
-                fused = stacked_rows([m.weight for m in group])  # already one tensor (a shared LoRA base): kept
-                row = 0
-                for m in group:
-                    rows = m.weight.size(0)
-                    m.weight = nn.Parameter(fused[row:row + rows], requires_grad=m.weight.requires_grad)
-                    row += rows
-
     # -- the trunk ---------------------------------------------------------------------------
 
     def hidden_states(self, idx, doc_ids=None, kv_cache=None):
@@ -572,20 +564,6 @@ class GPT(nn.Module):
         """vocab_logprobs through this model's LM head, in its head_precision (see there)."""
         return vocab_logprobs(hidden, self.lm_head.weight, targets, precision=self.head_precision, **kwargs)
 
-
-
-def stacked_rows(weights):
-    """The matrices (rows_i, C) stacked by rows into one: a view, with no copy, when they already lie so in one
-    tensor (GPT.fuse_projections: a LoRA base, the engine's own copy), else torch.cat (engine.decode_weights;
-    Llama's q is scaled there first, a new tensor, so its q, k, v are copied)."""
-    first = weights[0]
-    offset = first.storage_offset()
-    for w in weights:
-        if not (w.is_contiguous() and w.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-                and w.storage_offset() == offset and w.dtype == first.dtype):
-            return torch.cat(weights)
-        offset += w.numel()
-    return first.as_strided((sum(w.size(0) for w in weights), first.size(1)), first.stride())
 
 
 def positions_from_doc_ids(doc_ids):

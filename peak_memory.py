@@ -9,14 +9,16 @@ A run holds, per device:
                 (reference, reward model, judge) in the compute dtype; 1/N of each under FSDP2 (--fsdp)
     gradients   float32, one per trained parameter (1/N under FSDP2); alive from the first backward
     optimizer   AdamW's two float32 moments (8 bytes a parameter; 1/N under FSDP2)
-    engine      while sampling: the sampler's weights (a compute-dtype copy on CUDA or under FSDP2; on a
-                float32 CPU run the master weights themselves), its fused q/k/v and gate/up copies, the KV
-                cache (2 x layers x rows x kv heads x head dim x tokens), and the sampler's (rows, V) buffers
+    engine      while sampling: the sampler's weights (a compute-dtype copy on CUDA or under FSDP2, its q/k/v
+                and gate/up fused in place; on a float32 CPU run the master weights themselves, plus fused
+                copies of those), the KV cache (2 x layers x rows x kv heads x head dim x tokens), and the
+                larger of the prefill (the prompts in one pass) and a decode step's sampler (20 bytes a logit)
     activations while training: what backward needs of one forward pass of --micro-batch-tokens tokens
                 (every block's saved tensors, or only each block's input with --grad-checkpointing), plus
                 the chunked vocabulary head (about 2^26 logits at a time, never the whole (B, T, V))
 Sampling, the forward and backward, and the optimizer step take turns: the peak is the largest of the three
-on top of the weights and the optimizer state.
+on top of the weights and the optimizer state. On CUDA a margin of 10% on top: the caching allocator's
+fragmentation (runs/gpu_check.sh compares the estimate with the peak it reserves).
 The per-token activation count below was measured on this CPU for our block (tests/test_memory.py holds
 the estimate within 20% of the measured peak of real SFT and GRPO steps at the real vocabulary size).
 """
@@ -27,6 +29,7 @@ import torch
 from common import UserError, print0
 
 GiB = 2**30
+FRAGMENTATION = 0.10  # on CUDA, a margin on top of the peak: what the caching allocator reserves beyond it
 
 
 @dataclass
@@ -90,24 +93,35 @@ def activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, grad_checkpoin
     return blocks + 5 * 4 * chunk + (1.5 if head_grad else 2.4) * 4 * shape.vocab_size * C
 
 
-def engine_bytes(shape: Shape, rows: int, tokens: int, dtype_bytes: int, sampler_copy: bool):
-    """The engine while it samples `rows` rows of at most `tokens` tokens (prompt + new)."""
-    C, D, I = shape.n_embd, shape.head_dim, shape.intermediate_size
-    fused = shape.n_layer * (C * (shape.n_head + 2 * shape.n_kv_head) * D + 2 * C * I) * dtype_bytes
-    copy = shape.params() * dtype_bytes + shape.vocab_size * C * 4 if sampler_copy else 0  # + the float32 head
+def engine_bytes(shape: Shape, rows: int, tokens: int, dtype_bytes: int, sampler_copy: bool, fused_copy: bool,
+                 prompts: int, prompt_len: int):
+    """The engine while it samples `rows` rows of at most `tokens` tokens (prompt + new), from `prompts` distinct
+    prompts of at most prompt_len tokens: its weights (sampler_copy: a compute-dtype copy and the float32 head;
+    fused_copy: fused q/k/v and gate/up copies of weights it shares), the KV cache, and the larger of
+      the prefill     the prompts left-padded in one pass (engine.generate): a block's temporaries, at most
+                      its MLP's (2 C + 4 I values a token), the (prompts, 1, L, L) mask and its additive copy,
+                      and the first logits, repeated to every row (float32)
+      the sampler     a decode step's (rows, V) float32 logits, their scaled and exponentiated copies and the
+                      float64 cumulative sum: 20 bytes a logit (engine.sample_next; top-p sorts: about twice)"""
+    C, D, I, V = shape.n_embd, shape.head_dim, shape.intermediate_size, shape.vocab_size
+    fused = shape.n_layer * (C * (shape.n_head + 2 * shape.n_kv_head) * D + 2 * C * I) * dtype_bytes * fused_copy
+    copy = shape.params() * dtype_bytes + V * C * 4 if sampler_copy else 0  # + the float32 head
     kv_cache = 2 * shape.n_layer * rows * shape.n_kv_head * D * tokens * dtype_bytes
-    sampler = rows * shape.vocab_size * (4 + 4 + 8)  # float32 logits and log-probs, the float64 cumulative sum
-    return fused + copy + kv_cache + sampler
+    prefill = prompts * prompt_len * ((2 * C + 4 * I) * dtype_bytes + prompt_len * (1 + dtype_bytes)) + rows * V * 4
+    sampler = rows * V * (4 + 4 + 4 + 8)
+    return fused + copy + kv_cache + max(prefill, sampler)
 
 
 def estimate(*, trained: list[Shape], frozen: list[Shape] = (), micro_batch_tokens: int, graded_tokens=None,
              world_size: int = 1, fsdp: bool = False, cuda: bool = False, grad_checkpointing: bool = False,
-             sample_rows: int = 0, sample_tokens: int = 0, lora_rank: int = 0) -> dict:
+             sample_rows: int = 0, sample_tokens: int = 0, sample_prompts: int | None = None,
+             prompt_len: int | None = None, lora_rank: int = 0) -> dict:
     """Peak bytes per device, by component (see the module docstring), and their "total".
     trained: the shapes of the models an optimizer updates (one; PPO's actor and critic: two);
     frozen: models that only run forward; micro_batch_tokens: the tokens of one training pass (graded_tokens
     of them trained: the answers of RL passes; default all); sample_rows x sample_tokens: the engine's
-    batch (0: no sampling). lora_rank > 0: the trained models' bases are frozen in the compute dtype and
+    batch (0: no sampling), from sample_prompts distinct prompts of prompt_len tokens (default: as many as
+    rows, as long as sample_tokens: an upper bound). lora_rank > 0: the trained models' bases are frozen in the compute dtype and
     only their adapters (Shape.lora_params, float32) have gradients and optimizer state; the reference is
     the policy with its adapters off (pass no frozen copy of it)."""
     compute = 2 if cuda else 4
@@ -121,28 +135,34 @@ def estimate(*, trained: list[Shape], frozen: list[Shape] = (), micro_batch_toke
         out["weights"] += compute * max(s.block_params() + s.vocab_size * s.n_embd for s in trained)
     out["activations"] = sum(activation_bytes(s, micro_batch_tokens, compute, grad_checkpointing, graded_tokens,
                                               head_grad=not lora_rank) for s in trained)
-    # a LoRA base already in the compute dtype is shared by the engine, not copied (only its float32 head is)
+    # a LoRA base already in the compute dtype is shared by the engine, not copied (only its float32 head is), and
+    # fused in place like the engine's own copy: only float32 master weights shared on CPU get fused copies
     copy = (cuda or fsdp) and not (lora_rank and not fsdp)
-    out["engine"] = engine_bytes(trained[0], sample_rows, sample_tokens, compute, sampler_copy=copy) \
+    out["engine"] = engine_bytes(trained[0], sample_rows, sample_tokens, compute, sampler_copy=copy,
+                                 fused_copy=not copy and not lora_rank, prompts=sample_prompts or sample_rows,
+                                 prompt_len=prompt_len or sample_tokens) \
         + (4 * trained[0].vocab_size * trained[0].n_embd if lora_rank and not copy and cuda else 0) if sample_rows else 0
     # three phases take turns on top of the weights and the optimizer state: sampling (the engine), a
     # forward and backward (activations), and the optimizer step (every gradient, and AdamW's temporaries,
     # about one more float32 copy of the trained parameters)
     out["total"] = out["weights"] + out["optimizer"] + max(out["engine"], out["activations"], 2 * out["gradients"])
+    out["fragmentation"] = FRAGMENTATION * out["total"] if cuda else 0
+    out["total"] += out["fragmentation"]
     return out
 
 
-def rollout_estimate(*, trained, frozen=(), answers, prompt_len, max_new_tokens, minibatches, micro_batch_tokens,
-                     **kwargs) -> dict:
-    """estimate() for a stage that samples `answers` answers per rank per step (prompts of up to prompt_len
-    tokens, max_new_tokens new ones) and trains on them in `minibatches` optimizer steps of forward passes
+def rollout_estimate(*, trained, frozen=(), answers, prompts, prompt_len, max_new_tokens, minibatches,
+                     micro_batch_tokens, **kwargs) -> dict:
+    """estimate() for a stage that samples `answers` answers per rank per step to `prompts` prompts (of up to
+    prompt_len tokens, max_new_tokens new ones) and trains on them in `minibatches` optimizer steps of forward passes
     of at most micro_batch_tokens tokens. kwargs: estimate's world_size, fsdp, cuda, grad_checkpointing,
     lora_rank."""
     rows_per_pass = -(-answers // minibatches)
     return estimate(trained=trained, frozen=frozen,
                     micro_batch_tokens=min(micro_batch_tokens, rows_per_pass * (prompt_len + max_new_tokens)),
                     graded_tokens=min(micro_batch_tokens, rows_per_pass * max_new_tokens),
-                    sample_rows=answers, sample_tokens=prompt_len + max_new_tokens, **kwargs)
+                    sample_rows=answers, sample_tokens=prompt_len + max_new_tokens, sample_prompts=prompts,
+                    prompt_len=prompt_len, **kwargs)
 
 def describe(est: dict) -> str:
     parts = ", ".join(f"{k} {v / GiB:.2f}" for k, v in est.items() if k != "total" and v)
@@ -187,7 +207,8 @@ def stage_estimates(shape: Shape, world_size=1, fsdp=False, lora_rank=0) -> dict
     512-token prompt per device and training 8,192-token passes, PPO the same with a critic of the same
     size and the reference loaded (with LoRA: the actor's adapters off, no copy)."""
     common = dict(world_size=world_size, fsdp=fsdp, cuda=True, grad_checkpointing=True, lora_rank=lora_rank)
-    rollout = dict(sample_rows=64, sample_tokens=512 + 1024, micro_batch_tokens=8192, graded_tokens=8192 * 2 // 3)
+    rollout = dict(sample_rows=64, sample_tokens=512 + 1024, sample_prompts=8, prompt_len=512, micro_batch_tokens=8192,
+                   graded_tokens=8192 * 2 // 3)
     return {"SFT": estimate(trained=[shape], micro_batch_tokens=4096, **common),
             "DPO": estimate(trained=[shape], micro_batch_tokens=4096, **common),
             "GRPO": estimate(trained=[shape], **rollout, **common),

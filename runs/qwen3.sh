@@ -4,6 +4,8 @@
 #   MODEL=/models/Qwen3-1.7B-Base SFT=sft.jsonl PREFS=prefs.jsonl RL=rl.jsonl NGPU=8 bash runs/qwen3.sh
 #   FSDP=1 ... shards parameters, gradients and optimizer state across the GPUs (needed past ~1.7B on 80 GB)
 #   OVERWRITE=1 ... replaces this script's earlier runs (without it a second run refuses); a switch is on at 1 only
+# The defaults fit an 80 GB GPU with 10% to spare by the memory estimate (prompts of up to 1,024 tokens; #51):
+# GRPO samples 64 answers a GPU of up to 2,048 new tokens (the KV cache of 256 would be 75 GB at 0.6B).
 # Learning rates: every stage takes the real-model preset unless LR_SFT / LR_DPO / LR_RL are set (the
 # stage prints which it uses). Each stage prints its estimated peak memory per device before it starts.
 # Try it small, or on CPU, before renting GPUs: every size below is a variable, e.g.
@@ -16,7 +18,7 @@ DEVICE=${DEVICE:-cuda}
 if [ "$DEVICE" = cuda ]; then NGPU=${NGPU:-$($PY -c "import torch; print(max(1, torch.cuda.device_count()))")}; fi
 NGPU=${NGPU:-1}
 SEQ_LEN=${SEQ_LEN:-4096} BATCH=${BATCH:-64} DEVICE_BATCH=${DEVICE_BATCH:-2}
-PROMPTS=${PROMPTS:-$((32 * NGPU))} MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048} RL_STEPS=${RL_STEPS:-200}
+PROMPTS=${PROMPTS:-$((8 * NGPU))} MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-2048} RL_STEPS=${RL_STEPS:-200}
 RUN=${RUN:-qwen3}
 FLAGS=(--device "$DEVICE" --run-name "$RUN" --grad-checkpointing)
 if [ "${FSDP:-0}" = 1 ]; then FLAGS+=(--fsdp); fi            # switches are on at 1 only: FSDP=0 is off

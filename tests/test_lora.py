@@ -324,7 +324,7 @@ def test_reward_model_adapter_loads_in_peft(tok, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_engine_shares_a_lora_base_instead_of_fused_copies(tok, base_dir, dtype):
-    # the frozen base of a loaded LoRA model keeps q/k/v and gate/up as one tensor each (GPT.fuse_projections):
+    # the frozen base of a loaded LoRA model keeps q/k/v and gate/up as one tensor each (lora.fuse_projections):
     # the engine's fused decode weights are that memory itself, not copies (9 GB at Qwen3-8B, #51), with the base
     # frozen in the engine's dtype (float32 on CPU, bfloat16 on CUDA) or in another (its own copy, fused too)
     model = load_hf(base_dir, dtype=dtype, lora=options(rank=4))
