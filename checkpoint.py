@@ -16,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -29,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.tensor import distribute_tensor
 
 from common import UserError, barrier, compute_dtype, dist_info, print0, reshard, shard_model, unwrap
-from lora import (LORA_TARGETS, adapter_chain, add_lora, fuse_projections, lora_init_tensors, merged_updates,
-                  read_adapter, save_adapter)
+from lora import (adapter_chain, add_lora, fuse_projections, lora_init_tensors, merged_updates, read_adapter,
+                  save_adapter)
 from model import GPT, GPTConfig, rope_inv_freq
 from rundir import PINS, latest_checkpoint, list_checkpoints, live_dependents
 from tokenizer import Tokenizer
@@ -154,16 +155,16 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
     tensor from the memory-mapped files: no rank ever holds the whole model.
     `path` may be a LoRA adapter folder (PEFT's format; adapter_chain): its base is loaded and every
     adapter of the chain merged into each weight in float32, then cast to `dtype`.
-    lora: LoRA training (a dict: r, alpha, targets, dropout, seed, resume): the base frozen in `dtype`,
+    lora: LoRA training (a lora.LoRA: rank, alpha, targets, dropout, seed, resume): the base frozen in `dtype`,
     adapters (float32) on top: fresh ones (seeded), or with resume=True the adapter of `path` itself,
     unmerged, to continue training it (the adapters below it in the chain are merged)."""
     base, chain = adapter_chain(path)
     own = None
-    if lora and lora.get("resume"):
+    if lora and lora.resume:
         if not chain:
             raise UserError(f"{path}: not a LoRA adapter folder; resume it without --lora-rank")
         chain, own = chain[:-1], read_adapter(chain[-1])
-        lora = {**lora, "r": own[0]["r"], "alpha": own[0]["lora_alpha"], "targets": own[0]["target_modules"]}
+        lora = replace(lora, rank=own[0]["r"], alpha=own[0]["lora_alpha"], targets=tuple(own[0]["target_modules"]))
     config = load_config(base, head)
     files = safetensors_files(base)
     with torch.device("meta"):
@@ -171,9 +172,8 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
     if lora:
         if dtype is not None:
             model.to(dtype)  # the frozen base in the compute dtype; the adapters float32 (add_lora)
-        add_lora(model, lora["r"], lora.get("alpha"), lora.get("targets") or LORA_TARGETS, lora.get("dropout", 0.0))
-        # the folder this adapter applies to (a plain model, or the adapter folder it was started from)
-        model.lora["base"] = own[0]["base_model_name_or_path"] if own else os.path.abspath(path)
+        # the folder the adapters apply to: a plain model, or the adapter folder they were started from
+        add_lora(model, replace(lora, base=own[0]["base_model_name_or_path"] if own else os.path.abspath(path)))
     if shard is not None:  # every parameter is a fresh object after these: build the optimizer later
         if dtype is not None and not lora:
             model.to(dtype)
@@ -210,7 +210,7 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
             put(key, replaced[key])
             loaded.add(key)
     if lora:  # the adapters: the checkpoint's own, or fresh (the same on every rank)
-        tensors = own[1] if own else lora_init_tensors(model, lora.get("seed", 0))
+        tensors = own[1] if own else lora_init_tensors(model, lora.seed)
         for key, t in tensors.items():
             if key not in expected:
                 raise UserError(f"{path}: adapter tensor {key!r} has no layer in the model {base}")
@@ -325,7 +325,7 @@ def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None, save
     model.head_precision = head_precision
     if lora:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print0(f"LoRA rank {model.lora['r']} (alpha {model.lora['alpha']:g}) on {','.join(model.lora['targets'])}: "
+        print0(f"LoRA rank {model.lora.rank} (alpha {model.lora.alpha:g}) on {','.join(model.lora.targets)}: "
                f"{trainable:,} trainable parameters of {model.num_params():,} ({trainable / model.num_params():.2%}); "
                f"the base frozen in {str(dtype).removeprefix('torch.')}")
     return model
@@ -401,7 +401,7 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
                 shutil.rmtree(final)
             os.rename(tmp, final)
             if getattr(gpt, "lora", None):  # the folders its adapter builds on must outlive their runs' rotation
-                pin_bases(gpt.lora["base"], run_path)
+                pin_bases(gpt.lora.base, run_path)
             for old in list_checkpoints(run_path)[:-keep]:
                 if not live_dependents(old):  # a checkpoint another run's adapters are built on stays
                     shutil.rmtree(old, ignore_errors=True)

@@ -56,7 +56,7 @@ trainer will score: nothing is decoded to text and re-tokenized.
 """
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -363,13 +363,13 @@ class Engine:
         params = dict(master.named_parameters())  # a tied head is listed once, as the embedding
         lora = getattr(master, "lora", None)
         if not copy and all(type(p.detach()) is torch.Tensor and p.dtype == self.dtype for p in params.values()) \
-                and not (lora and lora["dropout"]):
+                and not (lora and lora.dropout):
             model = master  # already plain and in the compute dtype (float32 on CPU): share, copy nothing
         else:
             with torch.device("meta"):
                 model = GPT(master.config)
             if lora:  # LoRA: the adapters too, unmerged, in the compute dtype (see decode_weights), no dropout
-                add_lora(model, lora["r"], lora["alpha"], lora["targets"])
+                add_lora(model, replace(lora, dropout=0.0))
             for name, p in params.items():
                 if name == "lm_head.weight":
                     continue  # an untied head is only ever used in its precision (below): no compute-dtype copy

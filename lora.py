@@ -3,7 +3,7 @@ LoRA: a frozen base and trainable low-rank adapters (Hu et al. 2021, https://arx
 every stage with the same flags (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets), and adapter
 folders in PEFT's format, which peft and vLLM (--enable-lora) load and which we load from them.
 
-- `add_lora(model, rank)` freezes a GPT and wraps each targeted linear layer of its blocks in a `LoRALinear`.
+- `add_lora(model, LoRA(rank))` freezes a GPT and wraps each targeted linear layer of its blocks in a `LoRALinear`.
 - `adapters_off(model)`: the base model for a block's duration. A LoRA run's reference policy (DPO, the
   GRPO KL term, PPO) is the policy with its adapters off, so no second model is ever loaded.
 - `save_adapter` / `read_adapter`: PEFT folders (adapter_config.json + adapter_model.safetensors); an
@@ -15,6 +15,7 @@ import json
 import math
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,21 @@ from safetensors.torch import load_file, save_file
 from common import UserError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoRA:
+    """A LoRA run's settings, each under one name from its flag (--lora-rank: rank) to every reader: the
+    loader (checkpoint.load_hf), add_lora, the engine's copy, the adapter folder (PEFT names rank "r" in
+    adapter_config.json, the only other name it has). add_lora keeps it as `model.lora`, beside the adapters it
+    adds, as `model.config` describes the model; `base` is then the folder the adapters apply to."""
+    rank: int
+    alpha: float | None = None   # the update's scale is alpha / rank; None: 2 * rank
+    targets: tuple = LORA_TARGETS
+    dropout: float = 0.0         # on the adapters' input, in training only
+    seed: int = 0                # draws fresh adapters' A
+    resume: bool = False         # continue the adapter of the folder being loaded, not fresh ones
+    base: str | None = None      # the folder the adapters apply to (checkpoint.load_hf sets it)
 
 
 class LoRALinear(nn.Module):
@@ -78,17 +94,17 @@ def lora_init_tensors(model, seed=0) -> dict:
     return out
 
 
-def add_lora(model, rank: int, alpha: float | None = None, targets=LORA_TARGETS, dropout: float = 0.0):
+def add_lora(model, lora: LoRA):
     """Freeze every parameter of `model` and wrap each targeted linear layer of every block in a LoRALinear
     (in place; on the meta device too). A reward model's or critic's score head stays trainable (it is
-    new). alpha defaults to 2 * rank. Sets `model.lora`, the options (for checkpoints).
+    new). Sets `model.lora` to the settings, alpha filled in (2 * rank by default).
     Errors: a rank above a layer's smaller side (the update could not be low-rank); a target naming no
     layer."""
-    targets = list(targets)
+    rank, targets, dropout = lora.rank, list(lora.targets), lora.dropout
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or not targets:
         raise UserError(f"--lora-targets {','.join(unknown) or '(none)'}: no such layer; valid names: {', '.join(LORA_TARGETS)}")
-    alpha = float(2 * rank if alpha is None else alpha)
+    alpha = float(2 * rank if lora.alpha is None else lora.alpha)
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.model.layers:
@@ -103,7 +119,7 @@ def add_lora(model, rank: int, alpha: float | None = None, targets=LORA_TARGETS,
                 setattr(parent, name, LoRALinear(lin, rank, alpha, dropout))
     if model.config.head == "scalar":
         model.score.float().weight.requires_grad_(True)  # trained, so float32 like the adapters
-    model.lora = {"r": rank, "alpha": alpha, "targets": targets, "dropout": dropout}
+    model.lora = replace(lora, alpha=alpha, targets=tuple(targets))
 
 
 def lora_layers(model):
@@ -168,7 +184,7 @@ def add_lora_flags(parser):
 
 
 def lora_options(args, resume=False, scores_samples=False):
-    """The LoRA options of a run (None without --lora-rank): resume=True continues the adapter of the
+    """The LoRA settings of a run (None without --lora-rank): resume=True continues the adapter of the
     checkpoint being loaded instead of starting fresh ones. scores_samples: the stage trains on answers its own
     engine sampled and recomputes their log-probs (RL, PPO), where dropout would make the trainer a random
     function unlike the sampler (the ratio is not 1 at the start): --lora-dropout is refused there, as TRL's
@@ -178,8 +194,8 @@ def lora_options(args, resume=False, scores_samples=False):
     if scores_samples and args.lora_dropout:
         raise UserError(f"--lora-dropout {args.lora_dropout}: this stage scores the answers its engine sampled, and "
                         f"dropout would make the trainer's log-probs differ from the sampler's at random; drop it")
-    return {"r": args.lora_rank, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "seed": args.seed,
-            "targets": [t.strip() for t in args.lora_targets.split(",") if t.strip()], "resume": resume}
+    return LoRA(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout, seed=args.seed,
+                targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()), resume=resume)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -282,10 +298,10 @@ def save_adapter(model, path, tokenizer=None):
         return
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    o = model.lora
+    lora = model.lora
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if model.config.head == "lm" else "SEQ_CLS",
-           "base_model_name_or_path": o["base"], "r": o["r"], "lora_alpha": o["alpha"],
-           "lora_dropout": o["dropout"], "target_modules": list(o["targets"]), "bias": "none",
+           "base_model_name_or_path": lora.base, "r": lora.rank, "lora_alpha": lora.alpha,
+           "lora_dropout": lora.dropout, "target_modules": list(lora.targets), "bias": "none",
            "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
            "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None,
            "layers_pattern": None, "modules_to_save": ["score"] if model.config.head == "scalar" else None,

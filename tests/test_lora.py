@@ -182,7 +182,7 @@ def test_bad_inputs(tok, base_dir, tmp_path):
     cfg.intermediate_size = 128
     save_hf(GPT(cfg), other, tok)
     m = load_model(other, lora=options(targets="gate_proj"))
-    m.lora["base"] = base_dir
+    m.lora.base = base_dir
     save_adapter(m, str(tmp_path / "ad"), tok)
     with pytest.raises(UserError, match=r"128 x 64 .* the base has 96 x 64"):
         load_model(str(tmp_path / "ad"))
