@@ -35,7 +35,8 @@ from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import generate_problems, pretrain_text, sft_conversations
 from tokenizer import Tokenizer, render_text
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
 # tokenizer
 parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size, specials included")
 parser.add_argument("--tokenizer", default=None, help="use this tokenizer.json instead of training one")
@@ -49,7 +50,8 @@ parser.add_argument("--max-seq-len", type=int, default=512, help="the model's co
 parser.add_argument("--num-docs", type=int, default=20000, help="training documents (problems with solutions)")
 parser.add_argument("--seq-len", type=int, default=512, help="tokens per training row")
 parser.add_argument("--batch-size", type=int, default=8, help="rows per optimizer step, all ranks together")
-parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass (gradient accumulation above it)")
+parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass (gradient accumulation "
+                    "above it)")
 parser.add_argument("--steps", type=int, default=600)
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--warmup-steps", type=int, default=Default(30), help="at most a tenth of the run unless given")
@@ -60,7 +62,7 @@ parser.add_argument("--compile", action="store_true", help="torch.compile the mo
 parser.add_argument("--eval-every", type=int, default=100)
 parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems sampled at the end")
 parser.add_argument("--save-every", type=int, default=200)
-add_run_flags(parser, "base")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
+add_run_flags(parser, "base")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, ...
 
 
 def build_tokenizer(args, dist):
@@ -72,7 +74,8 @@ def build_tokenizer(args, dist):
     if dist.is_main and not (args.resume and os.path.isfile(os.path.join(path, "tokenizer.json"))):
         t0 = time.time()
         texts = pretrain_text("train", 20000, seed=args.seed)
-        texts += [render_text(c["messages"], tools=c.get("tools")) for c in sft_conversations("train", 5000, seed=args.seed)]
+        texts += [render_text(c["messages"], tools=c.get("tools"))
+                  for c in sft_conversations("train", 5000, seed=args.seed)]
         tok = Tokenizer.train(texts, vocab_size=args.vocab_size)
         tok.save(path)
         print0(f"tokenizer: vocab {tok.vocab_size}, trained in {time.time() - t0:.1f}s -> {path}")
@@ -141,7 +144,8 @@ def main():
                        max_seq_len=args.max_seq_len, dtype=None if args.save_dtype == "auto" else args.save_dtype)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(peak_memory.estimate(trained=[peak_memory.Shape.of(config)],
-                                           micro_batch_tokens=args.device_batch_size * args.seq_len, world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
+                                           micro_batch_tokens=args.device_batch_size * args.seq_len,
+                                           world_size=dist.world_size, fsdp=args.fsdp, cuda=device.type == "cuda",
                                            grad_checkpointing=args.grad_checkpointing), device)  # know before you OOM
     if ckpt:
         model = load_model(ckpt, fsdp=args.fsdp, save_dtype=args.save_dtype)
@@ -183,7 +187,8 @@ def main():
                    "peak_mem_mb": round(peak_memory_mb(device))}
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             dt = time.time() - t_last
-            metrics.update(val_loss=round(heldout_loss(model, val_ex, val_rows, tok.pad_id, args.seq_len, "bfd", device), 6),
+            val_loss = heldout_loss(model, val_ex, val_rows, tok.pad_id, args.seq_len, "bfd", device)
+            metrics.update(val_loss=round(val_loss, 6),
                            tokens_per_s=round(tokens_since / dt))
             t_last, tokens_since = time.time(), 0
             if dist.is_main:

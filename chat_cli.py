@@ -100,7 +100,8 @@ def main():
     args = ap.parse_args()
     check_flag_ranges(args, greedy=True)
     if not args.init:
-        raise UserError("--init PATH is required: a model folder (config.json) or a run directory, e.g. out/sft/default")
+        raise UserError("--init PATH is required: a model folder (config.json) or a run directory, e.g. "
+                        "out/sft/default")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model, tok = load(args.init, device)
     engine = Engine(model, tok, tools=TOOLS if args.tools else None)

@@ -68,17 +68,18 @@ parser.add_argument("--teacher", default=None, help="the teacher: model folder o
 parser.add_argument("--mode", choices=["on-policy", "kd"], default="on-policy",
                     help="the student samples and the teacher grades each token; or (kd) the teacher samples and "
                     "the student learns its answers by NLL")
-add_sampling_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, --correction, ...
+add_sampling_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, ...
 parser.add_argument("--samples-per-prompt", type=int, default=4, help="answers sampled per prompt")
 parser.add_argument("--discount", type=float, default=0.0, help="a token's advantage adds the discounted rewards of "
-                    "the tokens after it (0: its own reverse KL only, as Thinking Machines; 1: the whole rest of the answer)")
+                    "the tokens after it (0: its own reverse KL only, as Thinking Machines; 1: the whole rest of the "
+                    "answer)")
 parser.add_argument("--eps-low", type=float, default=0.2)
 parser.add_argument("--eps-high", type=float, default=0.28)
 parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
 parser.add_argument("--eval-every", type=int, default=10)
-add_run_flags(parser, "distill")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp (the teacher too), --dist-timeout
+add_run_flags(parser, "distill")  # --run-name, --seed, --device, --resume, --wandb, --fsdp (the teacher too), ...
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,7 +161,8 @@ def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict
     teacher's config.json and the longest prompt: what main prints before it loads the models, and `python
     memory.py --init FOLDER distill [flags]` prints. The student trains, the teacher only runs forward."""
     return peak_memory.rollout_estimate(
-        trained=[peak_memory.Shape.of(load_config(init))], frozen=[peak_memory.Shape.of(load_config(teacher_folder(args)))],
+        trained=[peak_memory.Shape.of(load_config(init))],
+        frozen=[peak_memory.Shape.of(load_config(teacher_folder(args)))],
         answers=args.prompts_per_step // world_size * args.samples_per_prompt,
         prompts=args.prompts_per_step // world_size, prompt_len=prompt_len,
         max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,

@@ -53,14 +53,19 @@ LOSSES = ("sigmoid", "ipo", "hinge", "sigmoid_norm", "robust", "orpo")
 
 parser = argparse.ArgumentParser(description="direct preference optimization and its variants")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
-parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
-parser.add_argument("--eval-data", default=None, help="held-out rows of the same form (default: the last 2%% of --data)")
+parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded "
+                    "world)")
+parser.add_argument("--eval-data", default=None,
+                    help="held-out rows of the same form (default: the last 2%% of --data)")
 parser.add_argument("--loss", choices=LOSSES, default="sigmoid")
 parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta; ORPO's lambda (weight of the odds-ratio term)")
-parser.add_argument("--label-smoothing", type=float, default=0.0, help="sigmoid (cDPO) and robust: the assumed label-flip rate")
-parser.add_argument("--rpo-alpha", type=float, default=0.0, help="weight of the NLL of the chosen answer (Iterative RPO); 0: off")
+parser.add_argument("--label-smoothing", type=float, default=0.0, help="sigmoid (cDPO) and robust: the assumed "
+                    "label-flip rate")
+parser.add_argument("--rpo-alpha", type=float, default=0.0, help="weight of the NLL of the chosen answer (Iterative "
+                    "RPO); 0: off")
 parser.add_argument("--batch-size", type=int, default=32, help="pairs per optimizer step, all ranks together")
-parser.add_argument("--lr", type=float, default=None, help="default: 2e-5 on the embedded world (2e-4 took pass@1 from 0.60 to 0.33), 5e-7 for a real model")
+parser.add_argument("--lr", type=float, default=None, help="default: 2e-5 on the embedded world (2e-4 took pass@1 from "
+                    "0.60 to 0.33), 5e-7 for a real model")
 add_preference_flags(parser, "dpo")
 
 
@@ -162,7 +167,8 @@ def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
     live_ref = args.ref == "live" and args.loss != "orpo" and not args.lora_rank
     step_tokens = -(-args.batch_size // world_size) * 2 * args.max_len
     return peak_memory.estimate(trained=[policy], frozen=[policy] * live_ref, lora_rank=args.lora_rank,
-                                micro_batch_tokens=min(args.micro_batch_tokens, step_tokens), world_size=world_size, fsdp=args.fsdp,
+                                micro_batch_tokens=min(args.micro_batch_tokens, step_tokens), world_size=world_size,
+                                fsdp=args.fsdp,
                                 cuda=cuda, grad_checkpointing=args.grad_checkpointing,
                                 sample_rows=32 * args.samples if args.pairs == "on-policy" else 0, sample_prompts=32,
                                 sample_tokens=args.max_len)
@@ -172,13 +178,15 @@ def main():
     args = parser.parse_args()
     orpo = args.loss == "orpo"
     if args.rpo_alpha and orpo:
-        raise UserError("--rpo-alpha adds the chosen answer's NLL to a reference-based pair loss; --loss orpo has it already")
+        raise UserError("--rpo-alpha adds the chosen answer's NLL to a reference-based pair loss; --loss orpo has it "
+                        "already")
     if args.ref == "live" and orpo:
         raise UserError("--ref live: ORPO has no reference model")
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:  # a user file: --eval-data, or its last 2% held out
         train_rows, val_rows = split_heldout(load_preferences(args.data),
-                                             load_preferences(args.eval_data, "--eval-data") if args.eval_data else None)
+                                             load_preferences(args.eval_data, "--eval-data")
+                                             if args.eval_data else None)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
         val_rows = preference_pairs("test", args.num_val, seed=args.seed)
@@ -261,7 +269,8 @@ def main():
                     loss, stats = orpo_micro_loss(fwd, micro, pad_id=pad, capacity=cap, pairs_per_step=per_step,
                                                   chosen_tokens_per_step=chosen_tokens, beta=args.beta)
                 else:
-                    loss, stats = dpo_micro_loss(fwd, micro, reference_of(m, items, ref, ref_model, pad, cap), pad_id=pad, capacity=cap,
+                    loss, stats = dpo_micro_loss(fwd, micro, reference_of(m, items, ref, ref_model, pad, cap),
+                                                 pad_id=pad, capacity=cap,
                                                  pairs_per_step=per_step, chosen_tokens_per_step=chosen_tokens,
                                                  beta=args.beta, loss_type=args.loss,
                                                  label_smoothing=args.label_smoothing, rpo_alpha=args.rpo_alpha)
@@ -273,7 +282,8 @@ def main():
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
         totals = all_reduce_dict(totals, keys=["loss", "rewards/chosen", "rewards/rejected", "rewards/margins",
                                                "rewards/accuracies", "logps/chosen", "logps/rejected"])
-        metrics = {"loss": round(totals["loss"], 6), **{k: round(v / per_step, 5) for k, v in totals.items() if k != "loss"},
+        metrics = {"loss": round(totals["loss"], 6),
+                   **{k: round(v / per_step, 5) for k, v in totals.items() if k != "loss"},
                    "lr": lr, "grad_norm": round(grad_norm, 4), "peak_mem_mb": round(peak_memory_mb(device))}
         if ((step + 1) % args.eval_every == 0 or step + 1 == total_steps) and val_items:
             ev = evaluate_pairs(model, val_items, val_ref, pad, cap, args.beta)

@@ -129,7 +129,8 @@ def print_comparison(result: dict):
     print(f"{'':32s}{'A':>8s}{'B':>8s}{'B - A':>9s}{'SE':>8s}")
     for key, label in labels.items():
         r = result[key]
-        print(f"{label:32s}{r['a']:8.3f}{r['b']:8.3f}{r['change']:+9.3f}{r['se']:8.3f}   {verdict(r['change'], r['se'])}")
+        print(f"{label:32s}{r['a']:8.3f}{r['b']:8.3f}{r['change']:+9.3f}{r['se']:8.3f}   "
+              f"{verdict(r['change'], r['se'])}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,7 +205,8 @@ def plot_runs(runs: list[str], out: str, metrics: list[str] | None = None) -> li
     axes = list(fig.subplots(rows_of_panels, columns, squeeze=False).flat)
     for ax, name in zip(axes, metrics):
         for color, (label, rows) in enumerate(data.items()):
-            points = [(row[x_key], row[name]) for row in rows if _is_number(row.get(x_key)) and _is_number(row.get(name))]
+            points = [(row[x_key], row[name]) for row in rows
+                      if _is_number(row.get(x_key)) and _is_number(row.get(name))]
             if points:
                 style = {"marker": "o", "markersize": 3} if name.startswith("eval/") else {"linewidth": 1}
                 ax.plot(*zip(*points), color=f"C{color}", label=label, **style)
@@ -224,7 +226,8 @@ def main():
     ap.add_argument("--model", help="model folder or run directory (its latest checkpoint)")
     ap.add_argument("--compare", nargs=2, metavar=("RUN_A", "RUN_B"),
                     help="evaluate two runs on the same problems and seeds; prints the paired change B - A")
-    ap.add_argument("--plot", nargs="+", metavar="RUN", help="draw these runs' metrics.jsonl (run directories or files)")
+    ap.add_argument("--plot", nargs="+", metavar="RUN",
+                    help="draw these runs' metrics.jsonl (run directories or files)")
     ap.add_argument("--report", nargs="*", metavar="RUN", help="gather every stage's eval.json into report.json; "
                     "or these runs' (e.g. sft/r1 rl/r1, under $NANOPOST_HOME), one row each")
     ap.add_argument("--run-name", default="default", help="run name, with --report")

@@ -45,12 +45,14 @@ parser = argparse.ArgumentParser(description="KTO: preference learning from sing
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
 parser.add_argument("--data", default=None, help="JSONL of {prompt, completion, label} rows or preference pairs "
                     "(default: the embedded world's pairs, unpaired)")
-parser.add_argument("--eval-data", default=None, help="held-out rows of the same forms (default: the last 2%% of --data)")
+parser.add_argument("--eval-data", default=None, help="held-out rows of the same forms (default: the last 2%% of "
+                    "--data)")
 parser.add_argument("--beta", type=float, default=0.1, help="the implicit reward's beta")
 parser.add_argument("--desirable-weight", type=float, default=1.0, help="weight of the good answers' loss")
 parser.add_argument("--undesirable-weight", type=float, default=1.0, help="weight of the bad answers' loss")
 parser.add_argument("--batch-size", type=int, default=32, help="answers per optimizer step, all ranks together")
-parser.add_argument("--lr", type=float, default=None, help="default: DPO's (2e-5 on the embedded world, 5e-7 for a real model)")
+parser.add_argument("--lr", type=float, default=None, help="default: DPO's (2e-5 on the embedded world, 5e-7 for a "
+                    "real model)")
 add_preference_flags(parser, "kto")  # --pairs, --max-len, --ref, --steps, --eval-problems, --run-name, --lora-rank, ...
 
 
@@ -86,7 +88,8 @@ def kto_micro_loss(model, answers, ref, *, pad_id, capacity, answers_per_step, k
     losses, rewards = kto_loss(logps, ref[:, 0], good, kl, beta, desirable_weight, undesirable_weight)
     g = good.float()
     stats = {"rewards/chosen": (rewards * g).sum().item(), "rewards/rejected": (rewards * (1 - g)).sum().item(),
-             "logps/chosen": (logps.detach() * g).sum().item(), "logps/rejected": (logps.detach() * (1 - g)).sum().item(),
+             "logps/chosen": (logps.detach() * g).sum().item(),
+             "logps/rejected": (logps.detach() * (1 - g)).sum().item(),
              "good": g.sum().item(), "bad": (1 - g).sum().item()}
     return losses.sum() / answers_per_step, stats
 
@@ -115,7 +118,8 @@ def pairs_of_singles(singles):
     by_prompt = {}
     for s in singles:
         by_prompt.setdefault(json.dumps(s["prompt"]), {}).setdefault(s["label"], s["completion"])
-    return [{"prompt": json.loads(p), "chosen": d[True], "rejected": d[False]} for p, d in by_prompt.items() if len(d) == 2]
+    return [{"prompt": json.loads(p), "chosen": d[True], "rejected": d[False]} for p, d in by_prompt.items()
+            if len(d) == 2]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -139,7 +143,8 @@ def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:  # a user file: --eval-data, or its last 2% held out; held-out pairs from its labeled answers
-        train_rows, val_rows = split_heldout(load_kto(args.data), load_kto(args.eval_data, "--eval-data") if args.eval_data else None)
+        train_rows, val_rows = split_heldout(load_kto(args.data),
+                                             load_kto(args.eval_data, "--eval-data") if args.eval_data else None)
         val_rows = pairs_of_singles(val_rows)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
@@ -235,7 +240,8 @@ def main():
                     if ref_model is not None:
                         idle_pass(ref_model, backward=False)
                     continue
-                loss, stats = kto_micro_loss(fwd, [items[i] for i in m], reference_of(m, items, ref, ref_model, pad, cap), pad_id=pad, capacity=cap,
+                loss, stats = kto_micro_loss(fwd, [items[i] for i in m],
+                                             reference_of(m, items, ref, ref_model, pad, cap), pad_id=pad, capacity=cap,
                                              answers_per_step=per_step, kl=kl, beta=args.beta,
                                              desirable_weight=args.desirable_weight,
                                              undesirable_weight=args.undesirable_weight)

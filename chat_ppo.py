@@ -61,32 +61,43 @@ parser = argparse.ArgumentParser(description="PPO with actor, critic, reward and
 parser.add_argument("--init", default=None, help="actor (and reference) model folder or run dir (default: the SFT run)")
 parser.add_argument("--critic-init", default=None, help="critic trunk: an RM or LM folder / run dir "
                     "(default: $NANOPOST_HOME/rm/default, else the --init model with a fresh value head)")
-add_rollout_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, --reward, ...
+add_rollout_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --reward, ...
 # rollouts
-parser.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (the critic is the baseline, no group needed)")
+parser.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt (the critic is the baseline, "
+                    "no group needed)")
 # rewards
-parser.add_argument("--truncated-reward", type=float, default=None, help="score of an answer cut at the length limit, instead of its grade (e.g. -1 with an RM)")
+parser.add_argument("--truncated-reward", type=float, default=None, help="score of an answer cut at the length limit, "
+                    "instead of its grade (e.g. -1 with an RM)")
 parser.add_argument("--kl-beta", type=float, default=0.05, help="weight of the per-token KL penalty in the reward")
-parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k1", help="KL estimator in the reward (k1: unbiased log-ratio)")
-parser.add_argument("--kl-target", type=float, default=None, help="adaptive KL (Ziegler et al.): the per-answer KL to steer beta towards")
-parser.add_argument("--kl-horizon", type=float, default=10000, help="adaptive KL: answers over which beta may move by ~e^0.2")
+parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k1", help="KL estimator in the reward (k1: "
+                    "unbiased log-ratio)")
+parser.add_argument("--kl-target", type=float, default=None, help="adaptive KL (Ziegler et al.): the per-answer KL to "
+                    "steer beta towards")
+parser.add_argument("--kl-horizon", type=float, default=10000, help="adaptive KL: answers over which beta may move by "
+                    "~e^0.2")
 # advantages and losses
 parser.add_argument("--gamma", type=float, default=1.0)
 parser.add_argument("--lam", type=float, default=0.95, help="GAE lambda")
-parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True, help="normalize advantages over the batch")
+parser.add_argument("--whiten", action=argparse.BooleanOptionalAction, default=True, help="normalize advantages over "
+                    "the batch")
 parser.add_argument("--eps-low", type=float, default=0.2)
 parser.add_argument("--eps-high", type=float, default=0.2, help="0.2: classic symmetric PPO clip")
-parser.add_argument("--value-clip", type=float, default=0.2, help="how far a value may move from its snapshot per batch (0: off)")
+parser.add_argument("--value-clip", type=float, default=0.2, help="how far a value may move from its snapshot per "
+                    "batch (0: off)")
 parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus in the actor's loss")
-parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
+parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to "
+                    "the sampling policy exceeds it (CleanRL)")
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=2, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass (per model)")
-parser.add_argument("--lr", type=float, default=None, help="actor learning rate (default: 1e-4 on the embedded world, 1e-6 for a real model)")
-parser.add_argument("--critic-lr", type=float, default=None, help="default: 5e-4 on the embedded world, 1e-5 for a real model")
-parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train only the critic for the first N steps: a critic "
-                    "started from the RM speaks the RM's scale, not the reward's, and its first advantages are noise")
-add_run_flags(parser, "ppo")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
+parser.add_argument("--lr", type=float, default=None, help="actor learning rate (default: 1e-4 on the embedded world, "
+                    "1e-6 for a real model)")
+parser.add_argument("--critic-lr", type=float, default=None, help="default: 5e-4 on the embedded world, 1e-5 for a "
+                    "real model")
+parser.add_argument("--freeze-actor-steps", type=int, default=4, help="train only the critic for the first N steps: a "
+                    "critic started from the RM speaks the RM's scale, not the reward's, and its first advantages are "
+                    "noise")
+add_run_flags(parser, "ppo")  # --run-name, --seed, --device, --resume, --wandb, --fsdp, ...
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
@@ -263,7 +274,8 @@ def main():
         print0(warning)
     local_prompts, S = prompts_per_rank(args.prompts_per_step, dist.world_size, len(rows)), args.samples_per_prompt
     if local_prompts * S < args.minibatches:
-        raise UserError(f"each rank needs at least --minibatches answers per step ({local_prompts * S} < {args.minibatches})")
+        raise UserError(f"each rank needs at least --minibatches answers per step ({local_prompts * S} < "
+                        f"{args.minibatches})")
     init = resolve_model_path(args.init or os.path.join(nanopost_home(), "sft", "default"), head="lm")
     tok = load_tokenizer(init)
 
@@ -289,10 +301,11 @@ def main():
     # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (docs/lora.md)
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp,
                                    save_dtype=args.save_dtype,
-                                   lora=lora_options(args, resume=bool(critic_ckpt), scores_samples=True)), fsdp=args.fsdp)
+                                   lora=lora_options(args, resume=bool(critic_ckpt), scores_samples=True)),
+                        fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
-    grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
+    grader = Grader(args.reward, tok, device, rubric=args.rubric)  # its reward models stay whole on every rank
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
     ref_model = reference_model(actor, init, args.fsdp) if use_kl else None  # LoRA: the actor, adapters off
 
@@ -309,8 +322,9 @@ def main():
     start_step, kl_beta, train_clock = state["step"], state.get("kl_beta", args.kl_beta), state["train_seconds"]
     engine = Engine(unwrap(actor), tok, tools=TOOLS if args.tools else None)
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from {critic_init}; "
-           f"reward {args.reward}; reference {'off (no KL)' if ref_model is None else 'the actor, adapters off' if args.lora_rank else 'loaded'}; {len(rows)} prompts; "
+    reference = "off (no KL)" if ref_model is None else "the actor, adapters off" if args.lora_rank else "loaded"
+    print0(f"actor {unwrap(actor).num_params():,} parameters from {init}; critic {unwrap(critic).num_params():,} from "
+           f"{critic_init}; reward {args.reward}; reference {reference}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {S} answers per step on {dist.world_size} rank(s)")
 
     def evaluate(step):

@@ -40,7 +40,7 @@ from stale weights (--off-policy, --staleness), the entropy bonus, the KL penalt
     torchrun --standalone --nproc_per_node=2 chat_rl.py                 # 2 CPU ranks (1 thread each)
     python chat_rl.py --init /models/my-sft --data rl.jsonl --device cuda            # 1 GPU
     torchrun --standalone --nproc_per_node=8 chat_rl.py --init ... --data rl.jsonl   # N GPUs
-    python chat_rl.py --init /models/Qwen3-8B-sft --data rl.jsonl --device cuda --lora-rank 32 --lr 1e-5  # LoRA (docs/lora.md)
+    python chat_rl.py --init /models/Qwen3-8B-sft --data rl.jsonl --device cuda --lora-rank 32 --lr 1e-5  # LoRA
 
 Data: --data FILE.jsonl with rows {"prompt": [...] or str, "ground_truth": ..., "verifier": ...}, or
 verl's rows (data_source, reward_model.ground_truth). Writes $NANOPOST_HOME/rl/<run>/.
@@ -63,50 +63,68 @@ from engine import Engine
 from evaluation import heldout_scores
 from lora import adapters_off, add_lora_flags, lora_options
 from rewards import Grader, grader_shapes
-from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_rollout_flags, batch_logprobs, clipped_surrogate,
-                     draw_prompts, dynamic_sampling, flat_answers, heldout_rewards, idle_warning, importance_ratio,
-                     kl_penalty, kl_to_start, minibatches_of, overlong_penalty, prompt_length, prompts_per_rank,
-                     rollout_metrics, sample, sampler_correction, training_batch)
+from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_overlong_penalty, add_rollout_flags,
+                     batch_logprobs, clipped_surrogate, draw_prompts, dynamic_sampling, flat_answers, heldout_rewards,
+                     idle_warning, importance_ratio, kl_penalty, kl_to_start, minibatches_of, prompt_length,
+                     prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import PROMPT_FORMATS, settle_chat_template
 
 parser = argparse.ArgumentParser(description="GRPO-family RL with verifiable rewards")
 parser.add_argument("--init", default=None, help="model folder or run dir (default: the SFT run)")
-parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat", help="plain: prompt a base as it was pretrained, 'question\\n' (R1-Zero)")
-add_rollout_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, --reward, ...
+parser.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="chat", help="plain: prompt a base as it was "
+                    "pretrained, 'question\\n' (R1-Zero)")
+add_rollout_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --reward, ...
 # rollouts
 parser.add_argument("--group-size", type=int, default=8, help="answers sampled per prompt (G)")
-parser.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True, help="drop groups with equal rewards and sample more (DAPO)")
+parser.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction, default=True,
+                    help="drop groups with equal rewards and sample more (DAPO)")
 parser.add_argument("--max-resample", type=int, default=3, help="extra sampling rounds per step for dynamic sampling")
-parser.add_argument("--off-policy", action="store_true", help="one-step-off-policy: sample the next batch (in a thread, from "
-                    "a snapshot of the weights) while this one trains")
-parser.add_argument("--staleness", type=int, default=0, help="sample with the weights of this many steps back (an experiment; 0: on-policy)")
-parser.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default="auto", help="the sampler's weights and KV cache (auto: the compute dtype); bfloat16 on CPU: a sampler unlike the trainer")
+parser.add_argument("--off-policy", action="store_true", help="one-step-off-policy: sample the next batch (in a "
+                    "thread, from a snapshot of the weights) while this one trains")
+parser.add_argument("--staleness", type=int, default=0, help="sample with the weights of this many steps back (an "
+                    "experiment; 0: on-policy)")
+parser.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default="auto", help="the sampler's weights and KV cache "
+                    "(auto: the compute dtype); bfloat16 on CPU: a sampler unlike the trainer")
 # rewards
-parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens before the limit (0: off)")
+parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens "
+                    "before the limit (0: off)")
 parser.add_argument("--overlong-penalty", type=float, default=1.0, help="the penalty at the limit")
 # advantages and the loss
-parser.add_argument("--estimator", choices=["grpo", "rloo"], default="grpo", help="group mean, or leave-one-out mean, baseline")
-parser.add_argument("--scale", choices=["group", "batch", "none"], default="group", help="divide by the group's std, the batch's, or not at all (Dr. GRPO)")
+parser.add_argument("--estimator", choices=["grpo", "rloo"], default="grpo", help="group mean, or leave-one-out mean, "
+                    "baseline")
+parser.add_argument("--scale", choices=["group", "batch", "none"], default="group", help="divide by the group's std, "
+                    "the batch's, or not at all (Dr. GRPO)")
 parser.add_argument("--eps-low", type=float, default=0.2)
 parser.add_argument("--eps-high", type=float, default=0.28, help="clip-higher (DAPO); 0.2 for symmetric PPO")
-parser.add_argument("--agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"], default="token-mean")
-parser.add_argument("--level", choices=["token", "sequence"], default="token", help="token ratios, or GSPO's sequence ratio")
-parser.add_argument("--loss", choices=["ppo", "cispo"], default="ppo", help="the clipped ratio objective, or CISPO's clipped detached weight")
-parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip bound for negative advantages (e.g. 3.0), with --loss ppo")
-parser.add_argument("--mask-truncated", action="store_true", help="answers cut off at the length limit give no gradient")
-parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (token-mean entropy of the sampling distribution)")
-parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (0: no reference model)")
-parser.add_argument("--log-kl-to-start", action="store_true", help="at --kl-beta 0 too, load the start to log kl_to_start (a reference forward a step)")
-parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k2", help="KL estimator in the loss (k2: its gradient is the exact KL gradient)")
-parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to the sampling policy exceeds it (CleanRL)")
-parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: weight of prime-rl's squared log-ratio to the sampler")
+parser.add_argument("--agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+                    default="token-mean")
+parser.add_argument("--level", choices=["token", "sequence"], default="token", help="token ratios, or GSPO's sequence "
+                    "ratio")
+parser.add_argument("--loss", choices=["ppo", "cispo"], default="ppo", help="the clipped ratio objective, or CISPO's "
+                    "clipped detached weight")
+parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip bound for negative advantages (e.g. 3.0), "
+                    "with --loss ppo")
+parser.add_argument("--mask-truncated", action="store_true",
+                    help="answers cut off at the length limit give no gradient")
+parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (token-mean entropy "
+                    "of the sampling distribution)")
+parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (0: no "
+                    "reference model)")
+parser.add_argument("--log-kl-to-start", action="store_true", help="at --kl-beta 0 too, load the start to log "
+                    "kl_to_start (a reference forward a step)")
+parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k2", help="KL estimator in the loss (k2: its "
+                    "gradient is the exact KL gradient)")
+parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to "
+                    "the sampling policy exceeds it (CleanRL)")
+parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: weight of prime-rl's squared "
+                    "log-ratio to the sampler")
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
 parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 on the embedded world, 1e-6 for a real model")
-add_run_flags(parser, "rl")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
+add_run_flags(parser, "rl")  # --run-name, --seed, --device, --resume, --wandb, --fsdp, ...
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
@@ -299,7 +317,8 @@ def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict
     the policy trains; the reference (kl_beta > 0 or --log-kl-to-start; not LoRA) and grader models only run forward."""
     policy = peak_memory.Shape.of(load_config(init))
     return peak_memory.rollout_estimate(
-        trained=[policy], frozen=[policy] * ((args.kl_beta > 0 or args.log_kl_to_start) and not args.lora_rank) + grader_shapes(args.reward),
+        trained=[policy], frozen=[policy] * ((args.kl_beta > 0 or args.log_kl_to_start) and not args.lora_rank)
+        + grader_shapes(args.reward),
         answers=args.prompts_per_step // world_size * args.group_size, prompts=args.prompts_per_step // world_size,
         prompt_len=prompt_len,
         max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
@@ -337,7 +356,7 @@ def main():
     start_step, train_clock = state["step"], state["train_seconds"]
     # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); at beta = 0 only for kl_to_start
     ref_model = reference_model(model, init, args.fsdp) if args.kl_beta > 0 or args.log_kl_to_start else None
-    grader = Grader(args.reward, tok, device, rubric=args.rubric)  # a reward model among the graders stays whole on every rank
+    grader = Grader(args.reward, tok, device, rubric=args.rubric)  # its reward models stay whole on every rank
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None, dtype=ENGINE_DTYPES[args.engine_dtype])
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sampling = dict(max_new_tokens=args.max_new_tokens, tool_schemas=tool_schemas, max_tool_turns=args.max_tool_turns,
@@ -348,17 +367,15 @@ def main():
     def evaluate(step):  # pass@k; with another --reward than the verifier, each grader on held-out answers too
         return {**heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
                                  seed=step, use_tools=args.tools, label=f"eval @ step {step}", **logits_settings),
-                **(heldout_rewards(engine, eval_rows, grader, seed=step, **sampling) if args.reward != "verifier" else {})}
+                **(heldout_rewards(engine, eval_rows, grader, seed=step, **sampling)
+                   if args.reward != "verifier" else {})}
 
     def sample_round(sampler, step, round_, n):
         """n prompts' groups, graded (the prompts and seeds a pure function of seed, step, round and rank)."""
         batch_rows, seed = draw_prompts(rows, n, seed=args.seed, step=step, rank=dist.rank, round_=round_)
         rollouts = sample(sampler, batch_rows, grader, samples_per_prompt=G, seed=seed, **sampling)
         if args.overlong_buffer:  # DAPO's soft overlong punishment, part of the reward
-            shaping = torch.tensor([overlong_penalty(len(c.tokens), args.max_new_tokens, args.overlong_buffer,
-                                                     args.overlong_penalty) for c in rollouts.completions])
-            rollouts.reward_parts["overlong"] = shaping
-            rollouts.rewards = rollouts.rewards + shaping
+            add_overlong_penalty(rollouts, args.max_new_tokens, args.overlong_buffer, args.overlong_penalty)
         return rollouts
 
     def sample_step(sampler, step):
@@ -368,12 +385,8 @@ def main():
                                     1 + (args.max_resample if args.dynamic_sampling else 0))
 
     # departures from on-policy sampling: --off-policy and --staleness sample with older weights
-    behind = StaleSampler(engine, sample_step, off_policy=args.off_policy, staleness=args.staleness, steps=args.steps) \
-        if args.off_policy or args.staleness else None
-    if behind and start_step:  # the older weights it samples with are not in the checkpoint: said, not hidden
-        print0(f"note: a resumed {'--off-policy' if args.off_policy else f'--staleness {args.staleness}'} run samples "
-               f"its first {1 if args.off_policy else args.staleness} step(s) with weights fresher than the "
-               f"uninterrupted run would have: its numbers from here differ from that run's")
+    behind = StaleSampler(engine, sample_step, off_policy=args.off_policy, staleness=args.staleness, steps=args.steps,
+                          resumed=start_step > 0) if args.off_policy or args.staleness else None
 
     log = open_run(args, out_dir, "rl")  # every input checked: now --overwrite replaces the old run
     final_scores = None
@@ -398,8 +411,8 @@ def main():
         t1 = time.time()
         adv = step_advantages(rollouts.rewards, G, args.scale, args.estimator).to(device)
         batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device, args.mask_truncated)
-        flat = flat_answers(rollouts.rewards, G) if args.dynamic_sampling else torch.zeros(len(rollouts), dtype=torch.bool)
-        batch.mask[flat.to(device)] = 0  # flat groups the last round had to keep train nothing, in no denominator
+        flat = flat_answers(rollouts.rewards, G) & args.dynamic_sampling  # the last round's flat groups train nothing
+        batch.mask[flat.to(device)] = 0  # (DAPO, verl): out of the loss mask, they count in no denominator
         mask = batch.mask
         old_logp, entropy = batch_logprobs(model, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
         ref_logp = None
@@ -421,7 +434,8 @@ def main():
                              "tokens": float(mask.sum()), "entropy": float((entropy * mask).sum()),
                              "mismatch": float(((old_logp - batch.engine_logp).abs() * mask).sum()),
                              "correction": float(weights.sum()), "masked": float(((weights == 0) & (mask > 0)).sum()),
-                             "kl_to_start": float(kl_to_start(old_logp, ref_logp, mask).sum()) if ref_logp is not None else 0.0,
+                             "kl_to_start": 0.0 if ref_logp is None else float(kl_to_start(old_logp, ref_logp,
+                                                                                               mask).sum()),
                              "sample_tok_per_s": sum(len(c.tokens) for c in rollouts.completions) / max(t_sample, 1e-9),
                              "train_tok_per_s": float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9),
                              **{f"update_{k}": totals[k] for k in ("loss", "clip_frac", "ratio", "tokens", "kl")}})

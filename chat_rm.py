@@ -47,15 +47,20 @@ from tokenizer import settle_chat_template
 
 parser = argparse.ArgumentParser(description="reward model: Bradley-Terry on preference pairs")
 parser.add_argument("--init", default=None, help="chat model folder or run dir to start from (default: the SFT run)")
-parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded world)")
+parser.add_argument("--data", default=None, help="JSONL of {prompt, chosen, rejected} rows (default: the embedded "
+                    "world)")
 parser.add_argument("--eval-data", default=None, help="held-out preference rows (default: the last 2%% of --data)")
-parser.add_argument("--num-train", type=int, default=8000, help="embedded-world training pairs (500 steps at --batch-size 16)")
+parser.add_argument("--num-train", type=int, default=8000, help="embedded-world training pairs (500 steps at "
+                    "--batch-size 16)")
 parser.add_argument("--kinds", default="wrong_step=14,missing_answer=1,rambling=1",
                     help="embedded-world training mix, kind=weight (held-out pairs are always an equal mix)")
-parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's last 2%%)")
-parser.add_argument("--max-len", type=int, default=512, help="a pair whose prompt + answer exceeds this is dropped (counted)")
+parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's "
+                    "last 2%%)")
+parser.add_argument("--max-len", type=int, default=512, help="a pair whose prompt + answer exceeds this is dropped "
+                    "(counted)")
 parser.add_argument("--batch-size", type=int, default=16, help="pairs per optimizer step, all ranks together")
-parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a pair count)")
+parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (both answers of a "
+                    "pair count)")
 parser.add_argument("--epochs", type=float, default=1.0)
 parser.add_argument("--steps", type=int, default=0, help="optimizer steps (overrides --epochs when > 0)")
 parser.add_argument("--lr", type=float, default=None, help="default: 3e-3 on the embedded world, 1e-5 for a real model")
@@ -66,10 +71,11 @@ parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--center-coef", type=float, default=0.01, help="weight of mean((r_c + r_r)^2); 0 turns it off")
 parser.add_argument("--lm-coef", type=float, default=1.0,
                     help="weight of the LM loss on the chosen answers (GRM's regularizer); 0 turns it off")
-parser.add_argument("--eval-every", type=int, default=250, help="steps between held-out evaluations (and the last step)")
+parser.add_argument("--eval-every", type=int, default=250,
+                    help="steps between held-out evaluations (and the last step)")
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--compile", action="store_true")
-add_run_flags(parser, "rm")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
+add_run_flags(parser, "rm")  # --run-name, --seed, --device, --resume, --wandb, --fsdp, ...
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 
@@ -213,7 +219,8 @@ def main():
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     if args.data:  # a user file: --eval-data, or its last 2% held out
         train_rows, val_rows = split_heldout(load_preferences(args.data),
-                                             load_preferences(args.eval_data, "--eval-data") if args.eval_data else None)
+                                             load_preferences(args.eval_data, "--eval-data")
+                                             if args.eval_data else None)
     else:
         try:
             kinds = parse_kinds(args.kinds)
@@ -257,7 +264,8 @@ def main():
     peak_lr = learning_rate(args.lr, "rm", unwrap(model))
     optimizer = make_optimizer(model, peak_lr, args.weight_decay)
     start_step = resume_state(ckpt, optimizer, model)["step"]
-    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps ({steps_per_epoch} per epoch)")
+    print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {total_steps} steps "
+           f"({steps_per_epoch} per epoch)")
     fwd = torch.compile(model) if args.compile else model
     model.train()
 
@@ -296,8 +304,9 @@ def main():
                 loss = rm_loss + args.lm_coef * lm_loss
                 check_finite(loss, step + 1)
                 loss.backward()
-                for k, v in {"reward_loss": rm_loss.item(), "lm_loss": lm_loss.item(), "correct": (chosen > rejected).sum().item(),
-                             "margin": (chosen - rejected).sum().item(), "reward_sum": values.sum().item()}.items():
+                for k, v in {"reward_loss": rm_loss.item(), "lm_loss": lm_loss.item(),
+                             "correct": (chosen > rejected).sum().item(), "margin": (chosen - rejected).sum().item(),
+                             "reward_sum": values.sum().item()}.items():
                     totals[k] = totals.get(k, 0.0) + v
         grad_norm = optimizer_step(model, optimizer, args.grad_clip)
         totals = all_reduce_dict(totals, keys=["reward_loss", "lm_loss", "correct", "margin", "reward_sum"])

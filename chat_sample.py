@@ -57,9 +57,10 @@ parser = argparse.ArgumentParser(description="sample k answers per prompt, grade
 parser.add_argument("--init", default=None, help="model folder or run dir to sample from (default: the RL run)")
 parser.add_argument("--device", default="auto")
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--data", default=None, help="RL JSONL of prompts (default: the embedded world's training problems)")
-parser.add_argument("--num-prompts", type=int, default=None, help="prompts: the embedded world's first N (default 1000); "
-                    "with --data, its first N (default all)")
+parser.add_argument("--data", default=None,
+                    help="RL JSONL of prompts (default: the embedded world's training problems)")
+parser.add_argument("--num-prompts", type=int, default=None, help="prompts: the embedded world's first N (default "
+                    "1000); with --data, its first N (default all)")
 parser.add_argument("--samples", type=int, default=8, help="answers sampled per prompt (k)")
 parser.add_argument("--max-new-tokens", type=int, default=192)
 parser.add_argument("--temperature", type=float, default=1.0)
@@ -127,12 +128,14 @@ def main():
     if dist.is_main:
         sft, pairs, c = build_rows(rows, merged, args.keep, args.max_per_prompt, args.threshold, tools=schemas)
         print(f"{c['answers']} answers to {c['prompts']} prompts: mean reward {c['reward_sum'] / c['answers']:.3f}, "
-              f"{c['verified'] / c['answers']:.1%} at least {args.threshold:g}, {c['finished'] / c['answers']:.1%} finished"
+              f"{c['verified'] / c['answers']:.1%} at least {args.threshold:g}, "
+              f"{c['finished'] / c['answers']:.1%} finished"
               + (f", {c['unrenderable']} finished answers not written (their messages do not render back to the "
                  f"tokens sampled)" if c["unrenderable"] else ""))
         # an empty file only fails the next stage, with less to go on: say so here
         if args.out and not sft:
-            print(f"warning: --out {args.out} gets no row: --keep {args.keep} kept no answer of {c['prompts']} prompts; "
+            print(f"warning: --out {args.out} gets no row: --keep {args.keep} kept no answer of {c['prompts']} "
+                  f"prompts; "
                   f"sample more (--samples, --num-prompts), --keep best, or a stronger --init", file=sys.stderr)
         if args.pairs_out and not pairs:
             print(f"warning: --pairs-out {args.pairs_out} gets no pair: no prompt's finished answers differ in reward; "

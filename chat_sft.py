@@ -43,11 +43,14 @@ from tokenizer import settle_chat_template
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
 parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows (default: the embedded world)")
-parser.add_argument("--eval-data", default=None, help="held-out JSONL rows for the validation loss (default: the last 2%% of --data)")
+parser.add_argument("--eval-data", default=None, help="held-out JSONL rows for the validation loss (default: the last "
+                    "2%% of --data)")
 parser.add_argument("--num-train", type=int, default=6000, help="embedded-world training conversations")
 parser.add_argument("--num-val", type=int, default=200, help="embedded-world validation conversations")
-parser.add_argument("--packing", choices=["bfd", "none"], default="bfd", help="best-fit-decreasing packing, or one conversation per padded row")
-parser.add_argument("--overlong", choices=["drop", "crop"], default="drop", help="what to do with a conversation longer than --seq-len")
+parser.add_argument("--packing", choices=["bfd", "none"], default="bfd", help="best-fit-decreasing packing, or one "
+                    "conversation per padded row")
+parser.add_argument("--overlong", choices=["drop", "crop"], default="drop", help="what to do with a conversation "
+                    "longer than --seq-len")
 parser.add_argument("--seq-len", type=int, default=512, help="tokens per row")
 parser.add_argument("--batch-size", type=int, default=16, help="rows per optimizer step, all ranks together")
 parser.add_argument("--device-batch-size", type=int, default=8, help="rows per forward pass")
@@ -59,14 +62,16 @@ parser.add_argument("--final-lr-ratio", type=float, default=0.1, help="cosine de
 parser.add_argument("--weight-decay", type=float, default=0.0)
 parser.add_argument("--grad-clip", type=float, default=1.0)
 parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
-parser.add_argument("--eval-problems", type=int, default=200, help="embedded-world held-out problems sampled at the end (and at --sample-every); 0: none")
+parser.add_argument("--eval-problems", type=int, default=200, help="embedded-world held-out problems sampled at the "
+                    "end (and at --sample-every); 0: none")
 parser.add_argument("--sample-every", type=int, default=0, help="steps between sampling evals (0: only at the end)")
 parser.add_argument("--max-new-tokens", type=int, default=256)
-parser.add_argument("--pass-k", type=int, default=4, help="held-out pass@1..k at temperature 1, besides greedy (0: greedy only)")
+parser.add_argument("--pass-k", type=int, default=4, help="held-out pass@1..k at temperature 1, besides greedy (0: "
+                    "greedy only)")
 parser.add_argument("--tools", action="store_true", help="evaluate with the calculator offered (as chat_rl.py --tools)")
 parser.add_argument("--save-every", type=int, default=200)
 parser.add_argument("--compile", action="store_true")
-add_run_flags(parser, "sft")  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, --dist-timeout
+add_run_flags(parser, "sft")  # --run-name, --seed, --device, --resume, --wandb, --fsdp, ...
 add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targets
 
 

@@ -118,7 +118,8 @@ def load_config(path, head=None) -> GPTConfig:
     path = adapter_chain(path)[0]
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise UserError(f"{path}: no config.json; expected a Hugging Face model folder (config.json + model.safetensors)")
+        raise UserError(f"{path}: no config.json; expected a Hugging Face model folder (config.json + "
+                        f"model.safetensors)")
     with open(cfg_path) as f:
         config = config_from_hf(json.load(f), path)
     if head is not None:
@@ -140,7 +141,8 @@ def safetensors_files(path):
         return [os.path.join(path, s) for s in shards]
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
-        other = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json") if os.path.isfile(os.path.join(path, f))]
+        other = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+                 if os.path.isfile(os.path.join(path, f))]
         hint = f"; found {other[0]}: re-save it with save_pretrained(safe_serialization=True)" if other else ""
         raise UserError(f"{path}: no model.safetensors (or model.safetensors.index.json){hint}")
     return [single]
@@ -480,7 +482,8 @@ def load_tokenizer(path: str, flag: str = "--init") -> Tokenizer:
     if tok.largest_id >= vocab:
         raise UserError(f"{flag}{'' if flag.endswith(':') else ' '}{path}: its tokenizer has ids up to "
                         f"{tok.largest_id:,} and its model {vocab:,} embedding rows (config.json vocab_size): the "
-                        f"tokenizer files belong to another model; copy the model's own tokenizer files into the folder")
+                        f"tokenizer files belong to another model; copy the model's own tokenizer files into the "
+                        f"folder")
     return tok
 
 

@@ -78,7 +78,7 @@ FLAG_RANGES = {
     "label_smoothing": ">= 0, < 0.5", "rpo_alpha": ">= 0", "desirable_weight": ">= 0",
     "undesirable_weight": ">= 0", "center_coef": ">= 0", "lm_coef": ">= 0",
 }
-FREE_NUMBERS = {"seed", "entropy_coef", "overlong_penalty", "truncated_reward", "threshold"}  # any value means something
+FREE_NUMBERS = {"seed", "entropy_coef", "overlong_penalty", "truncated_reward", "threshold"}  # any value is meant
 _COMPARE = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
 
 
@@ -142,8 +142,8 @@ def init_dist(device: str = "auto", timeout_minutes: float = 30) -> DistInfo:
                         f"torchrun pass --device cuda (each rank takes its LOCAL_RANK's GPU)")
     if dev.type == "cuda" and not torch.cuda.is_available():
         if torch.version.cuda is None:
-            raise UserError(f"--device cuda: this torch ({torch.__version__}) is a CPU build, without CUDA; install the "
-                            f"CUDA build of the same version (pip install torch=={torch.__version__.split('+')[0]} "
+            raise UserError(f"--device cuda: this torch ({torch.__version__}) is a CPU build, without CUDA; install "
+                            f"the CUDA build of the same version (pip install torch=={torch.__version__.split('+')[0]} "
                             f"--index-url https://download.pytorch.org/whl/cu126, for CUDA 12.6) or use --device cpu")
         raise UserError("--device cuda: no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES), or use "
                         "--device cpu")

@@ -473,7 +473,8 @@ class Engine:
         for step in range(max_new_tokens):
             # one uniform per completion, whatever the batch layout: compaction never changes a sample
             uniform = torch.rand(R, generator=gen, dtype=torch.float64, device=device)
-            next_tok, next_lp = sample_next(logits, temperature, top_k, top_p, uniform if n_batch == R else uniform[rows])
+            next_tok, next_lp = sample_next(logits, temperature, top_k, top_p,
+                                            uniform if n_batch == R else uniform[rows])
             sampled = None
             if step <= forcing_until:  # a queued tool result replaces the sample (mask 0, log-prob 0)
                 sampled = forced_at >= forced_len
@@ -554,7 +555,7 @@ class Engine:
 
         # the one copy of the results to the host
         live, length = results["live"].tolist(), results["length"].tolist()
-        tokens, logprobs, sampled = results["tokens"].tolist(), results["logprobs"].tolist(), results["sampled"].tolist()
+        tokens, logprobs, sampled = (results[k].tolist() for k in ("tokens", "logprobs", "sampled"))
         outs = [Completion(prompt_index=r // N, tokens=tokens[r][:length[r]], logprobs=logprobs[r][:length[r]],
                            mask=[int(m) for m in sampled[r][:length[r]]], finish_reason="length" if live[r] else "stop",
                            tool_calls=tool_calls[r], tool_errors=tool_errors[r]) for r in range(R)]

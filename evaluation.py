@@ -87,7 +87,8 @@ def scores_line(scores: dict, n: int) -> str:
     parts = []
     for k, v in scores.items():
         # a per-kind accuracy (accuracy/<kind>) has fewer rows than n: no error is given for it
-        is_rate = ("pass@" in k or k.endswith("_rate") or "accuracy" in k) and "change" not in k and "accuracy/" not in k
+        is_rate = ("pass@" in k or k.endswith("_rate") or "accuracy" in k) and "change" not in k \
+            and "accuracy/" not in k
         if isinstance(v, float) and is_rate and 0 <= v <= 1 and n > 0:
             parts.append(f"{k} {v:.3f}±{math.sqrt(v * (1 - v) / n):.3f}")
         else:
@@ -106,11 +107,13 @@ def heldout_scores(model, tok, rows, *, max_new_tokens, samples=4, temperature=1
     label: print the scores on one line after it (e.g. "eval @ step 20"), with the seconds they took."""
     t0 = time.time()
     greedy = evaluate_chat(model, tok, rows, max_new_tokens=max_new_tokens, use_tools=use_tools)
-    scores = {k: greedy[k] for k in ("pass@1", "format_rate", "stop_rate", "tool_use_rate", "tool_errors") if k in greedy}
+    scores = {k: greedy[k] for k in ("pass@1", "format_rate", "stop_rate", "tool_use_rate", "tool_errors")
+              if k in greedy}
     if samples:
         sampled = evaluate_chat(model, tok, rows, num_samples=samples, max_new_tokens=max_new_tokens,
                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, use_tools=use_tools)
-        scores.update({f"{k}_t{temperature:g}": v for k, v in sampled.items() if k.startswith("pass@") or k == "tool_use_rate"})
+        scores.update({f"{k}_t{temperature:g}": v for k, v in sampled.items()
+                       if k.startswith("pass@") or k == "tool_use_rate"})
     if label:
         print0(f"{label} ({time.time() - t0:.0f}s): " + scores_line(scores, len(rows)))
     return scores

@@ -103,7 +103,8 @@ def add_lora(model, lora: LoRA):
     rank, targets, dropout = lora.rank, list(lora.targets), lora.dropout
     unknown = [t for t in targets if t not in LORA_TARGETS]
     if unknown or not targets:
-        raise UserError(f"--lora-targets {','.join(unknown) or '(none)'}: no such layer; valid names: {', '.join(LORA_TARGETS)}")
+        raise UserError(f"--lora-targets {','.join(unknown) or '(none)'}: no such layer; valid names: "
+                        f"{', '.join(LORA_TARGETS)}")
     alpha = float(2 * rank if lora.alpha is None else lora.alpha)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -115,7 +116,8 @@ def add_lora(model, lora: LoRA):
                     continue
                 if not 0 < rank <= min(lin.in_features, lin.out_features):
                     raise UserError(f"--lora-rank {rank} does not fit layer {name} ({lin.out_features} x "
-                                    f"{lin.in_features}): the rank must be at most {min(lin.in_features, lin.out_features)}")
+                                    f"{lin.in_features}): the rank must be at most "
+                                    f"{min(lin.in_features, lin.out_features)}")
                 setattr(parent, name, LoRALinear(lin, rank, alpha, dropout))
     if model.config.head == "scalar":
         model.score.float().weight.requires_grad_(True)  # trained, so float32 like the adapters
@@ -177,7 +179,8 @@ def add_lora_flags(parser):
     """--lora-rank and its companions (see LoRALinear and docs/lora.md)."""
     parser.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank on a frozen base "
                         "(0: full fine-tuning); RL wants ~10x the full fine-tuning --lr")
-    parser.add_argument("--lora-alpha", type=float, default=None, help="the update is scaled by alpha / rank (default: 2 x rank)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="the update is scaled by alpha / rank (default: "
+                        "2 x rank)")
     parser.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
     parser.add_argument("--lora-targets", default=",".join(LORA_TARGETS),
                         help="comma-separated linear layers to adapt (default: every one in attention and MLP)")

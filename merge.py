@@ -216,7 +216,8 @@ def write_safetensors(path: str, specs: list[tuple], chunks):
         for chunk in chunks:
             f.write(chunk.reshape(-1).view(torch.uint8).numpy())
         if f.tell() != 8 + len(blob) + offset:
-            raise RuntimeError(f"{path}: wrote {f.tell() - 8 - len(blob)} bytes of tensor data, the header says {offset}")
+            raise RuntimeError(f"{path}: wrote {f.tell() - 8 - len(blob)} bytes of tensor data, the header says "
+                               f"{offset}")
         f.flush()
         os.fsync(f.fileno())
 
@@ -263,7 +264,8 @@ def merge(sources: list, weights: list[float], out: str, dtype: torch.dtype | No
                 if out_dtype == torch.float32:
                     yield total
                 else:
-                    yield output_buffer[:total.numel() * out_dtype.itemsize].view(out_dtype).view(total.shape).copy_(total)
+                    out = output_buffer[:total.numel() * out_dtype.itemsize].view(out_dtype)
+                    yield out.view(total.shape).copy_(total)
 
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -276,7 +278,7 @@ def merge(sources: list, weights: list[float], out: str, dtype: torch.dtype | No
                 config[key] = str(dtype).removeprefix("torch.")
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for name in ("generation_config.json", *TOKENIZER_FILES):  # an adapter's own (what its run shipped), else its base's
+    for name in ("generation_config.json", *TOKENIZER_FILES):  # an adapter's own (its run's), else its base's
         found = [f for f in (getattr(first, "adapter", None), first.folder)
                  if f and os.path.isfile(os.path.join(f, name))]
         if found:
@@ -314,7 +316,8 @@ def main():
     weights = parse_weights(args.weights, len(folders))
     if abs(sum(weights) - 1) > 1e-6:
         print(f"note: the weights sum to {sum(weights):g}, not 1: the result is not an average")
-    sources = [FolderTensors(f) for f in folders[:len(args.folders)]] + [AdaptedTensors(f) for f in folders[len(args.folders):]]
+    sources = [FolderTensors(f) for f in folders[:len(args.folders)]] + \
+        [AdaptedTensors(f) for f in folders[len(args.folders):]]
     merge(sources, weights, args.out, None if args.dtype == "input" else torch.float32)
     for folder, weight in zip(folders, weights):
         print(f"  {weight:g} x {folder}")

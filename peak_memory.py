@@ -78,7 +78,8 @@ def activation_bytes(shape: Shape, tokens: int, dtype_bytes: int, grad_checkpoin
     its (V, C) weight gradient while the chunks accumulate into it (head_grad=False: a frozen head, LoRA;
     see below). A scalar head (reward model, critic) has no vocabulary head. The constants were fitted to
     real steps on this CPU (benchmarks/bench_memory.py) and tests/test_memory.py holds them there."""
-    C, HD, KD, I = shape.n_embd, shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim, shape.intermediate_size
+    C, I = shape.n_embd, shape.intermediate_size
+    HD, KD = shape.n_head * shape.head_dim, shape.n_kv_head * shape.head_dim
     per_block = 1.2 * (6 * C + 5 * HD + 2 * KD + 5 * I) * dtype_bytes
     if grad_checkpointing:
         blocks = tokens * (C * dtype_bytes * shape.n_layer + per_block)
@@ -121,9 +122,9 @@ def estimate(*, trained: list[Shape], frozen: list[Shape] = (), micro_batch_toke
     frozen: models that only run forward; micro_batch_tokens: the tokens of one training pass (graded_tokens
     of them trained: the answers of RL passes; default all); sample_rows x sample_tokens: the engine's
     batch (0: no sampling), from sample_prompts distinct prompts of prompt_len tokens (default: as many as
-    rows, as long as sample_tokens: an upper bound). lora_rank > 0: the trained models' bases are frozen in the compute dtype and
-    only their adapters (Shape.lora_params, float32) have gradients and optimizer state; the reference is
-    the policy with its adapters off (pass no frozen copy of it)."""
+    rows, as long as sample_tokens: an upper bound). lora_rank > 0: the trained models' bases are frozen in the
+    compute dtype and only their adapters (Shape.lora_params, float32) have gradients and optimizer state; the
+    reference is the policy with its adapters off (pass no frozen copy of it)."""
     compute = 2 if cuda else 4
     shard = world_size if fsdp else 1
     n_trained = sum(s.lora_params(lora_rank) if lora_rank else s.params() for s in trained)
@@ -141,7 +142,8 @@ def estimate(*, trained: list[Shape], frozen: list[Shape] = (), micro_batch_toke
     out["engine"] = engine_bytes(trained[0], sample_rows, sample_tokens, compute, sampler_copy=copy,
                                  fused_copy=not copy and not lora_rank, prompts=sample_prompts or sample_rows,
                                  prompt_len=prompt_len or sample_tokens) \
-        + (4 * trained[0].vocab_size * trained[0].n_embd if lora_rank and not copy and cuda else 0) if sample_rows else 0
+        + (4 * trained[0].vocab_size * trained[0].n_embd if lora_rank and not copy and cuda else 0) \
+        if sample_rows else 0
     # three phases take turns on top of the weights and the optimizer state: sampling (the engine), a
     # forward and backward (activations), and the optimizer step (every gradient, and AdamW's temporaries,
     # about one more float32 copy of the trained parameters)

@@ -25,12 +25,16 @@ from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 def add_preference_flags(parser, stage):
     """The flags DPO and KTO share: sampled pairs, crop, reference, schedule, evaluation."""
     parser.add_argument("--pairs", choices=["embedded", "on-policy"], default="embedded",
-                        help="without --data: the world's pairs, or pairs sampled from the policy (a verified-correct vs an incorrect answer)")
-    parser.add_argument("--num-train", type=int, default=600, help="embedded pairs, or prompts to sample for --pairs on-policy")
-    parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's last 2%%)")
+                        help="without --data: the world's pairs, or pairs sampled from the policy (a verified-correct "
+                        "vs an incorrect answer)")
+    parser.add_argument("--num-train", type=int, default=600, help="embedded pairs, or prompts to sample for --pairs "
+                        "on-policy")
+    parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's "
+                        "last 2%%)")
     parser.add_argument("--samples", type=int, default=4, help="--pairs on-policy: answers sampled per prompt")
     parser.add_argument("--temperature", type=float, default=1.0, help="--pairs on-policy: sampling temperature")
-    parser.add_argument("--max-len", type=int, default=512, help="prompt + completion tokens; completions are cropped to fit")
+    parser.add_argument("--max-len", type=int, default=512, help="prompt + completion tokens; completions are cropped "
+                        "to fit")
     parser.add_argument("--ref", choices=["precompute", "live"], default="precompute",
                         help="reference log-probs computed once before training, or by a frozen copy of the model")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass")
@@ -41,9 +45,11 @@ def add_preference_flags(parser, stage):
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--eval-every", type=int, default=10, help="steps between held-out pair evaluations")
-    parser.add_argument("--eval-problems", type=int, default=500, help="embedded-world held-out problems sampled greedily at the start and the end (0: none)")
+    parser.add_argument("--eval-problems", type=int, default=500, help="embedded-world held-out problems sampled "
+                        "greedily at the start and the end (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--tools", action="store_true", help="the calculator offered: in the pass@1 evaluation and in --pairs on-policy sampling (as chat_rl.py --tools)")
+    parser.add_argument("--tools", action="store_true", help="the calculator offered: in the pass@1 evaluation and in "
+                        "--pairs on-policy sampling (as chat_rl.py --tools)")
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--compile", action="store_true")
     add_run_flags(parser, stage)  # --run-name, --seed, --device, --resume, --wandb, --grad-checkpointing, --fsdp, ...
@@ -215,8 +221,8 @@ def pass_at_start(model, tok, rows, *, max_new_tokens, tools):
 
 def pair_eval_line(step, loss, ev):
     """The line a loop prints after evaluate_pairs."""
-    return (f"step {step}: loss {loss:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  margin {ev['rewards/margins']:.3f}  "
-            f"logps/chosen {ev['logps/chosen']:.2f}")
+    return (f"step {step}: loss {loss:.4f}  held-out accuracy {ev['pair_accuracy']:.3f}  "
+            f"margin {ev['rewards/margins']:.3f}  logps/chosen {ev['logps/chosen']:.2f}")
 
 
 def final_scores(model, tok, val_items, val_ref, eval_rows, start, *, pad_id, capacity, beta, max_new_tokens, tools):

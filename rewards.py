@@ -213,7 +213,8 @@ class Grader:
         grades.counts["ungradable"] = float(sum(not has_format(r["verifier"], t) for r, t in zip(rows, texts)))
         for weight, name in self.terms:
             if name == "verifier":
-                part, errors, counts = verify_batch([r["verifier"] for r in rows], texts, [r["ground_truth"] for r in rows])
+                part, errors, counts = verify_batch([r["verifier"] for r in rows], texts,
+                                                    [r["ground_truth"] for r in rows])
                 grades.errors += [f"{r['verifier']}: {e}" for r, e in zip(rows, errors) if e is not None]
                 grades.counts.update({f"code/{k}": v for k, v in counts.items()})  # how code answers' sandboxes ended
             elif name == "format":

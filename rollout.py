@@ -33,18 +33,23 @@ def add_sampling_flags(parser):
     parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
     parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
     parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
-    parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, evaluation excluded (0: off)")
-    parser.add_argument("--prompts-per-step", type=int, default=64, help="prompts per rollout batch, all ranks together")
+    parser.add_argument("--time-budget", type=float, default=0, help="stop after this many seconds of training, "
+                        "evaluation excluded (0: off)")
+    parser.add_argument("--prompts-per-step", type=int, default=64,
+                        help="prompts per rollout batch, all ranks together")
     parser.add_argument("--max-new-tokens", type=int, default=192)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn tool rollouts")
     parser.add_argument("--max-tool-turns", type=int, default=6)
-    parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="for answers the sampler drew from "
-                        "another distribution (its numerics, or stale weights): reweight or mask (rollout.sampler_correction)")
-    parser.add_argument("--tis-cap", type=float, default=2.0, help="the cap of token-tis and sequence-tis; sequence-mask keeps [1/cap, cap]")
+    parser.add_argument("--correction", choices=CORRECTIONS, default="token-tis", help="for answers the sampler drew "
+                        "from another distribution (its numerics, or stale weights): reweight or mask "
+                        "(rollout.sampler_correction)")
+    parser.add_argument("--tis-cap", type=float, default=2.0, help="the cap of token-tis and sequence-tis; "
+                        "sequence-mask keeps [1/cap, cap]")
     parser.add_argument("--eval-problems", type=int, default=200, help="held-out problems, at most (0: no evaluation)")
     parser.add_argument("--pass-k", type=int, default=4, help="pass@1..k at --temperature, besides greedy pass@1")
-    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding included); bounds activation memory")
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="tokens per forward pass (padding "
+                        "included); bounds activation memory")
     parser.add_argument("--warmup-steps", type=int, default=Default(3), help="at most a tenth of the run unless given")
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--save-every", type=int, default=20)
@@ -58,8 +63,10 @@ def add_rollout_flags(parser):
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--reward", default="verifier", help="graders, weighted and summed: verifier (the row's), "
                         "format, rm:PATH, judge:PATH; e.g. verifier+0.1*format (see rewards.py)")
-    parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. rubrics/flattery.txt)")
-    parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities differ by more than this")
+    parser.add_argument("--rubric", default=None, help="the judge's rubric file, with --reward ...judge:PATH (e.g. "
+                        "rubrics/flattery.txt)")
+    parser.add_argument("--mask-eps", type=float, default=0.1, help="token-mask drops a token whose probabilities "
+                        "differ by more than this")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--eval-before-train", action=argparse.BooleanOptionalAction, default=True,
                         help="evaluate the starting model at step 0 (verl's val_before_train)")
@@ -115,7 +122,8 @@ class Rollouts:
                 "tool_calls": float(sum(c.tool_calls for c in self.completions)),
                 "tool_errors": float(sum(c.tool_errors for c in self.completions)),
                 "correct": float(correct.sum()), "reward_sum": float(self.rewards.sum()),
-                "correct_with_tool": float(sum(bool(ok) and c.tool_calls > 0 for ok, c in zip(correct, self.completions))),
+                "correct_with_tool": float(sum(bool(ok) and c.tool_calls > 0
+                                               for ok, c in zip(correct, self.completions))),
                 **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()},
                 **{f"count/{k}": float(v) for k, v in self.counts.items()}}
 
@@ -186,7 +194,8 @@ def prompts_per_rank(prompts_per_step: int, world_size: int, num_prompts: int) -
     replacement from the num_prompts there are: more per step than there are repeats prompts within a step,
     which the run says."""
     if prompts_per_step % world_size:
-        raise UserError(f"--prompts-per-step {prompts_per_step} must be a multiple of the number of ranks ({world_size})")
+        raise UserError(f"--prompts-per-step {prompts_per_step} must be a multiple of the number of ranks "
+                        f"({world_size})")
     if prompts_per_step > num_prompts:
         print0(f"warning: --prompts-per-step {prompts_per_step} with only {num_prompts} training prompts: every step "
                f"draws its prompts with replacement, so each prompt comes ~{prompts_per_step / num_prompts:.1f} times "
@@ -260,23 +269,37 @@ def overlong_penalty(length, max_len, buffer, penalty=1.0):
         return 0.0
     return -penalty * min(1.0, (length - (max_len - buffer)) / buffer)
 
+
+def add_overlong_penalty(rollouts, max_len, buffer, penalty):
+    """The soft overlong punishment of each answer (overlong_penalty) added to its reward, and kept as a reward
+    part of its own ("overlong"), so that the log shows it beside the graders'."""
+    shaping = torch.tensor([overlong_penalty(len(c.tokens), max_len, buffer, penalty) for c in rollouts.completions])
+    rollouts.reward_parts["overlong"] = shaping
+    rollouts.rewards = rollouts.rewards + shaping
+
 class StaleSampler:
     """Rollouts sampled by older weights than the ones they train: the two departures from on-policy RL
     (chat_rl.py --off-policy, --staleness). sample_step(engine, step) -> (rollouts, counts) draws one step's
     batch with an engine. off_policy: the next step's batch is sampled in a thread, from a snapshot of the
     weights, while this one trains (one update behind). staleness=k: each step samples with a snapshot of
-    the weights of k steps back. Called once per step: (rollouts, counts, how many updates behind)."""
+    the weights of k steps back. Called once per step: (rollouts, counts, how many updates behind). A resumed
+    run (resumed=True) says what its checkpoint lacks: the older weights its first steps would have sampled with."""
 
-    def __init__(self, engine, sample_step, *, off_policy=False, staleness=0, steps):
+    def __init__(self, engine, sample_step, *, off_policy=False, staleness=0, steps, resumed=False):
         self.engine, self.sample_step, self.off_policy, self.staleness, self.steps = \
             engine, sample_step, off_policy, staleness, steps
         self.snapshots = collections.deque()  # staleness: engines over the weights of the last steps, oldest first
         self.pending = None                   # off_policy: the next step's rollouts, being sampled in a thread
         self.thread = ThreadPoolExecutor(max_workers=1) if off_policy else None
+        if resumed:
+            print0(f"note: a resumed {'--off-policy' if off_policy else f'--staleness {staleness}'} run samples its "
+                   f"first {1 if off_policy else staleness} step(s) with weights fresher than the uninterrupted run "
+                   f"would have: its numbers from here differ from that run's")
 
     def __call__(self, step):
         if self.off_policy:  # this batch was sampled while the last one trained, by the weights before it
-            rollouts, counts = self.pending.result() if self.pending is not None else self.sample_step(self.engine, step)
+            rollouts, counts = self.pending.result() if self.pending is not None else \
+                self.sample_step(self.engine, step)
             behind = int(self.pending is not None)
             self.pending = self.thread.submit(self.sample_step, self.engine.snapshot(), step + 1) \
                 if step + 1 < self.steps else None

@@ -30,7 +30,8 @@ def add_run_flags(parser, stage: str):
                         "run (without it a fresh run refuses to mix with an old one's checkpoints)")
     parser.add_argument("--wandb", metavar="PROJECT", help="also log to this Weights & Biases project "
                         "(WANDB_MODE=offline: no network)")
-    parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in backward")
+    parser.add_argument("--grad-checkpointing", action="store_true", help="recompute each block's activations in "
+                        "backward")
     parser.add_argument("--head-precision", default="float32", choices=("float32", "tf32", "bf16"),  # HEAD_PRECISIONS
                         help="the LM head's matmul, in training and sampling alike (tf32: CUDA only; float32 on CPU)")
     parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients and optimizer state across "
@@ -41,7 +42,8 @@ def add_run_flags(parser, stage: str):
     if stage != "base":  # base_train trains its own tokenizer, with our template
         parser.add_argument("--chat-template", default="check", choices=("check", "ours", "theirs"),
                             help="the template checkpoints ship: check (the --init folder's, if it renders the data "
-                            "as nanopost trains it; else stop), ours (nanopost's Qwen3 template), theirs (the folder's)")
+                            "as nanopost trains it; else stop), ours (nanopost's Qwen3 template), theirs (the "
+                            "folder's)")
 
 
 def start_run(args, stage: str, title: str):

@@ -317,7 +317,8 @@ def _rambling(p: Problem, rng: random.Random) -> str:
     lines = p.solution.split("\n")
     body = [f"Let me read the problem again. {p.question}"]
     for line, (a, op, b, c) in zip(lines, p.steps):
-        body.append(f"{' '.join(rng.sample(FILLER, 2))} {line} Let me check that again: {a} {op} {b} = {c}. Yes, that is right.")
+        body.append(f"{' '.join(rng.sample(FILLER, 2))} {line} Let me check that again: {a} {op} {b} = {c}. "
+                    f"Yes, that is right.")
     return "\n".join(body + [lines[-1]])
 
 

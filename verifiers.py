@@ -114,7 +114,8 @@ def _json(completion: str, ground_truth: str) -> float:
     except ValueError:
         required = None
     if not (isinstance(required, (list, dict)) and all(isinstance(k, str) for k in required)):
-        raise ValueError(f"json ground truth must be a JSON list of required keys or a JSON object, got {ground_truth!r}")
+        raise ValueError(f"json ground truth must be a JSON list of required keys or a JSON object, got "
+                         f"{ground_truth!r}")
     obj = _json_object(completion)
     return float(obj is not None and all(k in obj for k in required))
 

@@ -33,7 +33,7 @@ FUNCTION_IMPORTS = {
     "rundir": {"wandb"},
     "chat_eval": {"matplotlib.figure"},
 }
-STAGE_LINES, LIBRARY_LINES = 500, 600
+STAGE_LINES, LIBRARY_LINES, COLUMNS = 500, 600, 120  # a budget counts what a reader reads: lines of at most 120
 OVER_BUDGET_BY_CHOICE = {"sandbox"}  # a leaf a reader skips: shrinking it would weaken the sandbox's defenses
 
 
@@ -111,12 +111,16 @@ def test_no_circle():
 
 @pytest.mark.parametrize("name", modules())
 def test_files_stay_within_their_budget(name):
+    """A file's lines under its budget, and each line at most COLUMNS wide: a line budget alone rewards packing."""
     if name in OVER_BUDGET_BY_CHOICE:
         return
     with open(os.path.join(REPO, name + ".py"), encoding="utf-8") as f:
-        n = sum(1 for _ in f)
+        lines = f.read().splitlines()
     budget = STAGE_LINES if name in STAGES else LIBRARY_LINES
-    assert n <= budget, f"{name}.py has {n} lines, over its budget of {budget}: split out what a reader can skip"
+    assert len(lines) <= budget, \
+        f"{name}.py has {len(lines)} lines, over its budget of {budget}: split out what a reader can skip"
+    wide = [i + 1 for i, line in enumerate(lines) if len(line) > COLUMNS]
+    assert not wide, f"{name}.py: lines {wide[:10]} are over {COLUMNS} characters; wrap them"
 
 
 def test_the_checks_can_fail(tmp_path, monkeypatch):
@@ -128,6 +132,13 @@ def test_the_checks_can_fail(tmp_path, monkeypatch):
     assert ("a", 2, False) in imports("b")
     with pytest.raises(AssertionError, match="circle"):
         test_no_circle()
+    (tmp_path / "c.py").write_text("x = 1  # " + "w" * 121 + "\n")  # one line of 130 characters
+    with pytest.raises(AssertionError, match="over 120 characters"):
+        test_files_stay_within_their_budget("c")
+    (tmp_path / "data.py").write_text("import engine\n")
+    (tmp_path / "engine.py").write_text("")
+    with pytest.raises(AssertionError, match="data"):
+        test_the_low_floors_stay_pure()
 
 
 LAB = os.path.join(REPO, "lab")
