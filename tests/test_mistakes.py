@@ -339,3 +339,13 @@ def test_each_mistake_gets_one_clean_line_or_the_right_behaviour(mistake, folder
     errors = [line for line in err.splitlines() if "error: " in line]
     assert len(errors) == 1, err[-2000:]
     assert what in errors[0], errors[0]
+
+
+def test_every_numeric_flag_has_a_range_or_is_free():
+    """Each int or float flag of every script is in common.FLAG_RANGES (values it cannot mean are refused) or in
+    FREE_NUMBERS (any value means something): a new flag fails here until it is placed."""
+    from common import FLAG_RANGES, FREE_NUMBERS
+    from test_flag_table import STAGES, parser_of
+    numeric = {a.dest for stage in STAGES for a in parser_of(stage)._actions if a.type in (int, float)}
+    assert numeric - set(FLAG_RANGES) - FREE_NUMBERS == set()
+    assert not (set(FLAG_RANGES) & FREE_NUMBERS) and FREE_NUMBERS <= numeric
