@@ -14,7 +14,6 @@ import datetime
 import gc
 import os
 import random
-import resource
 import sys
 from dataclasses import dataclass
 
@@ -404,11 +403,14 @@ with open("/proc/self/statm") as f:  # the interpreter, torch and the libraries:
 
 
 def peak_memory_mb(device):
-    """Peak memory of this run, in MiB: on CUDA the peak allocated device memory; on CPU the peak resident
-    memory of the process above what it held once torch was imported (comparable to peak_memory.estimate)."""
+    """Peak memory of this run, in MiB: on CUDA the peak device memory the caching allocator reserved (what runs
+    out); on CPU the peak resident memory of the process above what it held once torch was imported (comparable
+    to peak_memory.estimate)."""
     if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - _RSS_AT_START) / 2**20  # Linux: KiB
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    with open("/proc/self/status") as f:  # VmHWM: ru_maxrss would start at the size of a parent that launched us
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))  # KiB
+    return (hwm * 1024 - _RSS_AT_START) / 2**20
 
 
 _NONFINITE = {}  # this rank's first NaN/inf loss since its last optimizer step: "row" = (step, value)
@@ -416,10 +418,10 @@ _NOT_TRAINED = "Lower the learning rate or check the data; the last checkpoint i
 
 
 def check_finite(loss, step):
-    """A NaN/inf loss is never trained on: the run stops with one line naming the step (under torchrun, and the
-    ranks), and the last checkpoint, written before it, is intact. One process stops here, before the backward.
-    Under torchrun a rank stopping alone would leave the others waiting in the backward's collectives, itself
-    unheard (only rank 0 prints): it notes the loss and runs its backward, and optimizer_step stops every rank."""
+    """A NaN/inf loss is never trained on: the run stops with one line naming the step (and the ranks), the last
+    checkpoint intact. One process stops here, before the backward; under torchrun a rank stopping alone would
+    leave the others waiting in a collective, and go unheard (only rank 0 prints): it notes the loss and runs
+    its backward, and optimizer_step stops every rank."""
     if not torch.isfinite(loss).all():
         if _DIST.world_size == 1:
             raise UserError(f"step {step}: the loss is {loss.item()}; not training on it. {_NOT_TRAINED}")

@@ -65,8 +65,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from common import compute_dtype, unwrap
 from lora import LoRALinear, add_lora, fuse_projections, lora_layers, stacked_rows
-from model import (GPT, HEAD_PRECISIONS, KVCache, apply_rope, head_logits, masked_attention_kernel, process_logits,
-                   rms_norm)
+from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, attention_kernels, head_logits, process_logits, rms_norm
 from tokenizer import parse_tool_calls
 
 
@@ -218,7 +217,7 @@ def fused_decode(model, tokens, kv_cache, weights, length):
         # each kv head's group of query heads (pre-scaled) as its query axis: one plain attention call,
         # which keeps the scores in float32 in bfloat16 too
         q = qk[:, :H].reshape(B, Hk, H // Hk, D)
-        with masked_attention_kernel(q.device):
+        with attention_kernels(q.device, masked=True):
             y = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=1.0)
         y = y.reshape(B, H * D)
         x = add_low_rank(torch.addmm(x, y, w_o_t), y, lr_o)

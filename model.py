@@ -200,26 +200,32 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(layer, k, v)
-        if isinstance(mask, PackedDocuments):  # packed rows: each document attends within itself
-            return self.o_proj(mask.attention(q, k, v))
-        if T == 1 and kv_cache is not None:
-            # one decode step: fold each kv head's group of query heads into the query-length axis, so
-            # attention is one plain (no GQA broadcast) call; the mask (B, 1, 1, S) or None covers the group
-            qg = q.reshape(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)
-            y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
-        elif mask is None:  # plain causal self-attention: the fast path
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:  # the engine's prefill: left-padded prompts, isolated from their padding by a mask
-            with masked_attention_kernel(q.device):
+        with attention_kernels(q.device, masked=isinstance(mask, torch.Tensor)):
+            if isinstance(mask, PackedDocuments):  # packed rows: each document attends within itself
+                return self.o_proj(mask.attention(q, k, v))
+            if T == 1 and kv_cache is not None:
+                # one decode step: fold each kv head's group of query heads into the query-length axis, so
+                # attention is one plain (no GQA broadcast) call; the mask (B, 1, 1, S) or None covers the group
+                qg = q.reshape(B, self.n_kv_head, self.n_head // self.n_kv_head, self.head_dim)
+                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask).reshape(B, self.n_head, 1, self.head_dim)
+            elif mask is None:  # plain causal self-attention: the fast path
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:  # the engine's prefill: left-padded prompts, isolated from their padding by a mask
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def masked_attention_kernel(device):
-    """Attention with a mask (the engine's prefill and decode) pinned, on CUDA, to the memory-efficient kernel: it
-    takes the mask (flash takes none), and never cuDNN, whose graph cache is keyed on the key length, so that it
-    would build a graph whenever the KV cache grows, 42-400 ms each (pytorch/pytorch#191576, flashinfer#5245)."""
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if device.type == "cuda" else nullcontext()
+def attention_kernels(device, masked=False):
+    """The attention kernels SDPA may pick on CUDA, pinned (on CPU, torch's own choice: its flash kernel): flash
+    where no mask is passed (training, packed documents included), memory-efficient where one is (the engine's
+    prefill and decode: flash takes no mask). Never cuDNN, which torch prefers on H100 with a recent cuDNN: its
+    graph cache is keyed on the shapes, so a growing KV cache, or each batch's document lengths, would build a
+    new graph, 42-400 ms each (pytorch/pytorch#191576, flashinfer-ai/flashinfer#5245). runs/gpu_check.sh reads
+    the kernel each call gets from a profiler trace."""
+    if device.type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION] if masked else
+                       [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
 
 
 @dataclass

@@ -48,7 +48,7 @@ def timed(fns, repeats):
     return best
 
 
-def module_forward_step(model, tokens, cache, weights):
+def module_forward_step(model, tokens, cache, weights, **kwargs):
     """decode_step done by the module forward (what the engine would run without the fused step)."""
     return model(tokens[:, None], kv_cache=cache)[:, -1]
 
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     # the default base of base_train.py
     model = GPT(GPTConfig(vocab_size=1024, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, head_dim=32,
                           intermediate_size=512, max_seq_len=512)).eval()
-    engine = Engine(model, NoStopTokenizer())
+    fused_engine = Engine(model, NoStopTokenizer())
     prompts = torch.randint(1, 1024, (args.batch, args.prompt_len)).tolist()
     n_new = args.batch * args.new_tokens
     kw = dict(max_new_tokens=args.new_tokens, temperature=1.0)
@@ -84,8 +84,8 @@ if __name__ == "__main__":
     module_engine = ModuleForwardEngine(model, NoStopTokenizer())
     gen = torch.Generator().manual_seed(0)
     t_batched, t_single, t_nocache, t_module = timed([
-        lambda: engine.generate(prompts, **kw),
-        lambda: [engine.generate([p], **kw) for p in prompts],
+        lambda: fused_engine.generate(prompts, **kw),
+        lambda: [fused_engine.generate([p], **kw) for p in prompts],
         lambda: no_cache_generate(model, prompts, args.new_tokens, gen),
         lambda: module_engine.generate(prompts, **kw)], args.repeats)
 

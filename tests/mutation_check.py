@@ -115,6 +115,12 @@ MUTANTS = [
            "0", ("tests/test_memory.py::test_qwen3_sh_defaults_fit_80_gb_with_a_margin",
                  "tests/test_memory.py::test_the_estimate_adds_up_and_shards"),
            "the memory estimate has no margin for the CUDA caching allocator's fragmentation (#51)"),
+    Mutant("gpu-check-passes-a-wrong-kernel", "benchmarks/gpu_check.py", "ok = found == [expected[name]]",
+           "ok = True", ("tests/test_gpu_check.py::test_a_wrong_kernel_or_memory_over_the_estimate_fails_the_check",),
+           "runs/gpu_check.sh reads each call's attention kernel but never fails on an unexpected one (#51)"),
+    Mutant("gpu-check-passes-any-memory", "benchmarks/gpu_check.py", "ok = measured_gib <= bound", "ok = True",
+           ("tests/test_gpu_check.py::test_a_wrong_kernel_or_memory_over_the_estimate_fails_the_check",),
+           "runs/gpu_check.sh never fails a stage whose peak memory is over its estimate (#51)"),
     # KV cache positions
     Mutant("decode-position-is-cache-index", "engine.py",
            "    pos = kv_cache.next_pos\n    dtype",
