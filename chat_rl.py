@@ -320,16 +320,15 @@ def memory_estimate(args, init, *, prompt_len, world_size=1, cuda=False) -> dict
         trained=[policy], frozen=[policy] * ((args.kl_beta > 0 or args.log_kl_to_start) and not args.lora_rank)
         + grader_shapes(args.reward),
         answers=args.prompts_per_step // world_size * args.group_size, prompts=args.prompts_per_step // world_size,
-        prompt_len=prompt_len,
-        max_new_tokens=args.max_new_tokens, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
-        lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp, cuda=cuda,
-        grad_checkpointing=args.grad_checkpointing)
+        prompt_len=prompt_len, max_new_tokens=args.max_new_tokens, minibatches=args.minibatches,
+        micro_batch_tokens=args.micro_batch_tokens, lora_rank=args.lora_rank, world_size=world_size, fsdp=args.fsdp,
+        cuda=cuda, grad_checkpointing=args.grad_checkpointing)
 
 
 def main():
     args = parser.parse_args()
-    settings = update_settings(args)  # the update's settings, their flags checked before any model is looked for
-    # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    # the update's flags, then the data (a malformed row names its file:line), checked before any model is looked for
+    settings = update_settings(args)
     rows, eval_rows = rl_rows(args.data, args.eval_data, eval_problems=args.eval_problems,
                               num_prompts=args.num_prompts, seed=args.seed)
     dist, out_dir = start_run(args, "rl", "chat_rl")
@@ -412,8 +411,8 @@ def main():
         adv = step_advantages(rollouts.rewards, G, args.scale, args.estimator).to(device)
         batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device, args.mask_truncated)
         flat = flat_answers(rollouts.rewards, G) & args.dynamic_sampling  # the last round's flat groups train nothing
-        batch.mask[flat.to(device)] = 0  # (DAPO, verl): out of the loss mask, they count in no denominator
-        mask = batch.mask
+        sampled, mask = batch.mask.clone(), batch.mask  # every sampled token (for entropy, mismatch); the trained ones
+        mask[flat.to(device)] = 0  # (DAPO, verl): out of the loss mask, in place, they count in no denominator
         old_logp, entropy = batch_logprobs(model, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
         ref_logp = None
         if ref_model is not None:
@@ -431,8 +430,9 @@ def main():
         # 4. log: this rank's sums, added over the ranks in one collective, each then divided by its global count
         s = all_reduce_dict({**rollouts.stats(), "groups": groups["groups"], "flat": groups["flat"],
                              "flat_kept": float(flat.sum()), "verifier_errors": float(len(rollouts.errors)),
-                             "tokens": float(mask.sum()), "entropy": float((entropy * mask).sum()),
-                             "mismatch": float(((old_logp - batch.engine_logp).abs() * mask).sum()),
+                             "tokens": float(mask.sum()), "sampled": float(sampled.sum()),
+                             "entropy": float((entropy * sampled).sum()),
+                             "mismatch": float(((old_logp - batch.engine_logp).abs() * sampled).sum()),
                              "correction": float(weights.sum()), "masked": float(((weights == 0) & (mask > 0)).sum()),
                              "kl_to_start": 0.0 if ref_logp is None else float(kl_to_start(old_logp, ref_logp,
                                                                                                mask).sum()),
@@ -446,14 +446,14 @@ def main():
             "verifier_errors": s["verifier_errors"],
             "flat_group_frac": s["flat"] / max(1.0, s["groups"]),  # sampled, every round of dynamic sampling counted
             "flat_groups_kept": s["flat_kept"] / G,  # in the batch, masked: trained on nothing
-            "entropy": s["entropy"] / n_tok,  # of the sampling distribution
+            "entropy": s["entropy"] / max(1.0, s["sampled"]),  # of the sampling distribution, every sampled token
             "loss": s["update_loss"] / updates,
             "clip_frac": s["update_clip_frac"] / n_tok_updates,  # where the clip binds (verl's pg_clipfrac)
             "ratio_mean": s["update_ratio"] / n_tok_updates,
             "approx_kl": totals["approx_kl"] / updates,  # (already over every rank)
             "updates": totals["updates"],
             "grad_norm": totals["grad_norm"] / updates,
-            "logprob_mismatch": s["mismatch"] / n_tok,
+            "logprob_mismatch": s["mismatch"] / max(1.0, s["sampled"]),  # trainer vs sampler, every sampled token
             "correction_mean": s["correction"] / n_tok,  # the sampler correction's mean weight
             "masked_frac": s["masked"] / n_tok,
             "staleness": staleness,

@@ -23,10 +23,10 @@ def invocations(script_text):
     calls = []
     for line in text.splitlines():
         line = re.sub(r"\"?\$\{(\w+)\[@\]\}\"?", lambda m: arrays.get(m.group(1), ""), line.split("#")[0])
-        for m in re.finditer(r"(?:^|\s)([\w/]+\.py)\b(.*)", line):
-            path, rest = m.group(1), m.group(2)
-            if not path.startswith("tests/") and os.path.exists(os.path.join(REPO, path)):
-                calls.append((path, set(FLAG.findall(rest))))
+        for m in re.finditer(r"(?:^|\s)([\w/]+\.py)\b", line):
+            path = m.group(1)  # runs/launch.py is torchrun's stand-in: the stage is the next .py on the line
+            if path != "runs/launch.py" and not path.startswith("tests/") and os.path.exists(os.path.join(REPO, path)):
+                calls.append((path, set(FLAG.findall(line[m.end():]))))
                 break
     return calls
 
@@ -34,6 +34,8 @@ def invocations(script_text):
 def test_invocations_parses_continuations_and_arrays():
     text = 'FLAGS=(--device cuda ${FSDP:+--fsdp})\nlaunch chat_sft.py --init "$M" "${FLAGS[@]}" \\\n  --seq-len 4  # --not-a-flag\n'
     assert invocations(text) == [("chat_sft.py", {"--init", "--device", "--fsdp", "--seq-len"})]
+    text = "$PY runs/launch.py --standalone --nproc_per_node=2 chat_rl.py --tools\n"
+    assert invocations(text) == [("chat_rl.py", {"--tools"})]
 
 
 @pytest.mark.slow

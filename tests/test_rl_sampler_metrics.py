@@ -93,3 +93,8 @@ def test_a_bfloat16_engine_is_a_sampler_unlike_the_float32_trainer(tmp_path, tin
     # pipeline's SFT model: docs/lab/sampler_trainer.md), mean weights 1.0000000 and 1.0000123
     assert same["logprob_mismatch"] < 1e-6 and abs(same["correction_mean"] - 1) < 1e-6
     assert bf16["logprob_mismatch"] > 1e-4 and abs(bf16["correction_mean"] - 1) > 1e-6
+    # dynamic sampling's last round keeps flat groups out of the loss, not out of the sampler's diagnostics: the
+    # random model's groups all score 0, yet its bfloat16 gap and its entropy are still measured
+    flat = rl_step(tmp_path / "flat", tiny_chat, "--engine-dtype", "bfloat16", "--dynamic-sampling",
+                   "--max-resample", "0")
+    assert flat["flat_groups_kept"] == 4 and flat["logprob_mismatch"] > 1e-4 and flat["entropy"] > 0

@@ -46,7 +46,8 @@ SCHEDULE_RUNS = {  # stage: its module, the flags of a 3-step run on the tiny mo
     "kto": ("chat_kto", ["--init", "{init}", "--num-train", "16", "--num-val", "4", "--eval-problems", "0",
                          "--batch-size", "4"], None, True),
     "rl": ("chat_rl", ["--init", "{init}", "--num-prompts", "8", "--prompts-per-step", "2", "--group-size", "2",
-                       "--max-new-tokens", "4", "--eval-problems", "0"], 1.0, False),  # warmup, then constant
+                       "--max-new-tokens", "4", "--eval-problems", "0",  # warmup, then constant; the tiny model's
+                       "--no-dynamic-sampling"], 1.0, False),  # groups are all flat, and kept flat groups train nothing
     "ppo": ("chat_ppo", ["--init", "{init}", "--num-prompts", "8", "--prompts-per-step", "2", "--samples-per-prompt",
                          "2", "--max-new-tokens", "4", "--eval-problems", "0", "--critic-lr", "5e-3"], 1.0, False),
     "distill": ("chat_distill", ["--init", "{init}", "--teacher", "{init}", "--num-prompts", "8", "--prompts-per-step",
