@@ -38,10 +38,9 @@ any stop id (<|im_end|>, <|endoftext|>); a stopped row stays in the batch, maske
 and the batch is compacted in place when the live rows fall to half or fewer (compiled: when they fit a
 smaller power of two, so that the batch sizes are the prompts' rows, then powers of two, each a shape the
 compiled step captures once): at most log2(rows) compactions, each moving at most half the cache, and never
-a second cache. Tokens, log-probs, masks and
-stop flags live on the device in preallocated buffers; the host reads one small tensor (how many rows are
-live, whether one called a tool) every `check_every` steps (every step on CPU, where it costs nothing, or
-with tools or a stream), and everything else once, at the end. Engine(compile=True) runs the decode step
+a second cache. Tokens, log-probs, masks and stop flags live on the device in preallocated buffers; the host
+reads one small tensor (how many rows are live, whether one called a tool) every `check_every` steps (every
+step on CPU, where it costs nothing, or with tools or a stream), and everything else once, at the end. Engine(compile=True) runs the decode step
 compiled (torch.compile, mode "reduce-overhead": CUDA graphs on a GPU), off by default until
 runs/gpu_check.sh shows it equal and faster.
 
@@ -308,7 +307,7 @@ def _write_back(results, rows, **state):
 
 
 class Engine:
-    compact = True  # finished rows leave the batch when the live ones fit a smaller power of two (False: never)
+    compact = True  # finished rows leave the batch (see generate; False: never, they stay masked to the end)
 
     def __init__(self, model, tokenizer, tools: dict | None = None, dtype: torch.dtype | None = None,
                  compile: bool = False):
