@@ -300,7 +300,9 @@ class Engine:
                 if name == "lm_head.weight":
                     continue  # an untied head is only ever used in float32 (below): no compute-dtype copy
                 module_name, _, attr = name.rpartition(".")
-                w = _full_weight(p).to(self.dtype)
+                # a snapshot copies even a weight already in the compute dtype, where .to() would return the
+                # master's own tensor and the optimizer's in-place updates would reach the sampler
+                w = _full_weight(p).to(self.dtype, copy=copy)
                 setattr(model.get_submodule(module_name), attr, nn.Parameter(w, requires_grad=False))
             if master.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight

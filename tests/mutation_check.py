@@ -73,6 +73,11 @@ MUTANTS = [
            ("tests/test_engine.py::test_sampler_draws_from_the_processed_distribution",
             "tests/test_engine.py::test_engine_logprobs_equal_trainer_recomputation[0.7-20-None]"),
            "the engine samples at temperature 1 whatever it is asked (trl#4159)"),
+    Mutant("snapshot-shares-float32-weights", "engine.py",
+           "w = _full_weight(p).to(self.dtype, copy=copy)", "w = _full_weight(p).to(self.dtype)",
+           ("tests/test_engine.py::test_a_snapshot_does_not_move_with_training",),
+           "a float32 snapshot shares the embedding, norms, o_proj and down_proj with the trainer: a stale sampler "
+           "is stale in half its weights, an off-policy one reads them mid-update"),
     # KV cache positions
     Mutant("decode-position-is-cache-index", "engine.py",
            "    pos = kv_cache.next_pos\n    dtype",
