@@ -75,7 +75,8 @@ MUTANTS = [
            "the engine samples at temperature 1 whatever it is asked (trl#4159)"),
     Mutant("snapshot-shares-float32-weights", "engine.py",
            "w = _full_weight(p).to(self.dtype, copy=copy)", "w = _full_weight(p).to(self.dtype)",
-           ("tests/test_engine.py::test_a_snapshot_does_not_move_with_training",),
+           ("tests/test_engine.py::test_a_snapshot_does_not_move_with_training",
+            RL + "test_off_policy_and_one_step_stale_sample_with_the_same_weights"),
            "a float32 snapshot shares the embedding, norms, o_proj and down_proj with the trainer: a stale sampler "
            "is stale in half its weights, an off-policy one reads them mid-update"),
     # KV cache positions
