@@ -82,6 +82,8 @@ parser.add_argument("--off-policy", action="store_true", help="one-step-off-poli
                     "a snapshot of the weights) while this one trains")
 parser.add_argument("--staleness", type=int, default=0, help="sample with the weights of this many steps back (an experiment; 0: on-policy)")
 parser.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default="auto", help="the sampler's weights and KV cache (auto: the compute dtype); bfloat16 on CPU: a sampler unlike the trainer")
+parser.add_argument("--sampler-temperature", type=float, default=None, help="sample at this temperature while the "
+                    "trainer scores at --temperature: a sampler unlike the trainer, of known size (default: --temperature)")
 # rewards
 parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens before the limit (0: off)")
 parser.add_argument("--overlong-penalty", type=float, default=1.0, help="the penalty at the limit")
@@ -358,6 +360,8 @@ def main():
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sampling = dict(max_new_tokens=args.max_new_tokens, tool_schemas=tool_schemas, max_tool_turns=args.max_tool_turns,
                     **logits_settings)
+    if args.sampler_temperature is not None:  # the rollouts from another distribution than the trainer's, on purpose
+        sampling["temperature"] = args.sampler_temperature
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {G} answers per step on {dist.world_size} rank(s); reward {args.reward}")
 
