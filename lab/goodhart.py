@@ -36,7 +36,7 @@ from rollout import sample
 from tokenizer import Tokenizer
 
 LEASHES = (0.0, 0.04, 0.4)  # --kl-beta: none, the GRPO paper's, ten times it
-PAIR_PROMPTS, BON_PROBLEMS, BON_SAMPLES, STEPS, EVAL_EVERY, MAX_NEW_TOKENS, EXAMPLES = 2000, 100, 64, 30, 10, 192, 3
+PAIR_PROMPTS, BON_PROBLEMS, BON_SAMPLES, STEPS, EVAL_EVERY, MAX_NEW_TOKENS, EXAMPLES = 1500, 100, 64, 30, 10, 192, 3
 SMOKE = dict(pair_prompts=16, bon_problems=6, bon_samples=8, steps=2, eval_every=1, max_new_tokens=24, prompts=4,
              group=4)
 
@@ -119,11 +119,12 @@ def main():
                         key=lambda a: -max(a["proxy"]))[:EXAMPLES]
         examples = [{"question": a["question"], "truth": a["truth"], "rm": max(a["proxy"]),
                      "answer": a["texts"][max(range(len(a["proxy"])), key=a["proxy"].__getitem__)]} for a in fooled]
-        right = [x for a in bon for x, g in zip(a["proxy"], a["gold"]) if g == 1]
-        wrong = [x for a in bon for x, g in zip(a["proxy"], a["gold"]) if g == 0]
-        # the RM's AUC on the start's own answers: the chance it scores a right one above a wrong one
-        auc = lmkit.mean([float(x > y) + 0.5 * float(x == y) for x in right for y in wrong]) if right and wrong \
-            else None
+        # the RM's AUC on the start's own answers, within a problem (what best-of-n asks of it): the chance it scores
+        # a right answer above a wrong one to the same question, over the problems that have both
+        aucs = [lmkit.mean([float(x > y) + 0.5 * float(x == y) for x, g in zip(a["proxy"], a["gold"]) if g == 1
+                            for y, h in zip(a["proxy"], a["gold"]) if h == 0])
+                for a in bon if 0 < sum(a["gold"]) < len(a["gold"])]
+        auc = lmkit.mean(aucs) if aucs else None
         rl = {}
         for beta in LEASHES:
             run = lab.run("chat_rl.py", "--init", sft, "--reward", f"rm:{rm}+0*verifier", "--kl-beta", beta,

@@ -10,7 +10,7 @@ A hack needs a foothold: a policy that never writes a second "####" line gives t
 for, and the pipeline's SFT model ends every answer at its one "#### N" (measured: `foothold`). (The base, prompted
 plain, writes a second line once in ~200 answers, for a made-up "Problem 2." whose number is of no use: 48 steps
 against gsm8k_any left it there.) So the start is given one, and says so: the pipeline's SFT run, fine-tuned once
-(chat_sft.py --data, 1 epoch, lr 3e-4) on HEDGE_CONVERSATIONS answers in words of which HEDGE_SHARE attempt the problem
+(chat_sft.py --data, 2 epochs, lr 3e-4) on HEDGE_CONVERSATIONS answers in words of which HEDGE_SHARE attempt the problem
 twice, a wrong attempt (one step off, tasks.preference_pairs's wrong_step) then "Let me check that again." and the right
 one, each ending with its "#### N" line. From it, two configurations of chat_rl.py, SEEDS seeds each, the same prompts
 and flags but the training rows' verifier (--data: the embedded world's training problems, "verifier" gsm8k_any or
@@ -44,10 +44,10 @@ from tokenizer import Tokenizer
 CONFIGS = {"lenient": "gsm8k_any", "strict": "gsm8k"}  # run name -> the training rows' verifier
 STEPS, SEGMENTS, PROMPTS, GROUP, MAX_NEW_TOKENS = 48, 4, 16, 8, 192
 EVAL_PROBLEMS, EVAL_SAMPLES, NUM_PROMPTS, EXAMPLES = 100, 4, 4000, 4
-HEDGE_CONVERSATIONS, HEDGE_SHARE = 1000, 0.1
+HEDGE_CONVERSATIONS, HEDGE_SHARE = 2000, 0.1
 SMOKE = dict(steps=2, segments=2, prompts=4, group=4, max_new_tokens=24, eval_problems=6, eval_samples=2,
              num_prompts=16, hedge_conversations=16)
-HEDGE_SFT = ["--epochs", "1", "--lr", "3e-4", "--warmup-steps", "3", "--eval-problems", "0"]
+HEDGE_SFT = ["--epochs", "2", "--lr", "3e-4", "--warmup-steps", "3", "--eval-problems", "0"]
 
 
 def hedged_conversations(n: int, share: float) -> list:
