@@ -11,8 +11,8 @@ for, and the pipeline's SFT model ends every answer at its one "#### N" (measure
 plain, writes a second line once in ~200 answers, for a made-up "Problem 2." whose number is of no use: 48 steps
 against gsm8k_any left it there.) So the start is given one, and says so: the pipeline's SFT run, fine-tuned once
 (chat_sft.py --data, 2 epochs, lr 3e-4) on HEDGE_CONVERSATIONS answers in words of which HEDGE_SHARE attempt the problem
-twice, a wrong attempt (one step off, tasks.preference_pairs's wrong_step) then "Let me check that again." and the right
-one, each ending with its "#### N" line. From it, two configurations of chat_rl.py, SEEDS seeds each, the same prompts
+twice: a first attempt, right or (half the time) one step off (tasks.preference_pairs's wrong_step), then on the next
+line the right solution again, each ending with its "#### N" line. From it, two configurations of chat_rl.py, SEEDS seeds each, the same prompts
 and flags but the training rows' verifier (--data: the embedded world's training problems, "verifier" gsm8k_any or
 gsm8k):
     lenient   the reward is gsm8k_any
@@ -51,13 +51,14 @@ HEDGE_SFT = ["--epochs", "2", "--lr", "3e-4", "--warmup-steps", "3", "--eval-pro
 
 
 def hedged_conversations(n: int, share: float) -> list:
-    """n SFT conversations answered in words, `share` of them attempting the problem twice: a wrong attempt (one step
-    off, carried to a wrong "#### N"), "Let me check that again.", then the right solution and its "#### N"."""
+    """n SFT conversations answered in words, `share` of them attempting the problem twice: a first attempt, right or
+    (half the time) one step off and carried to a wrong "#### N", then on the next line the right solution again with
+    its "#### N". In the world's own words, no new ones (the tokenizer has none for "let me check")."""
     rng = random.Random("lenient-verifier/hedge")
     rows = []
     for pair in preference_pairs("train", n, seed=1, kinds=("wrong_step",)):
         right, wrong = pair["chosen"][0]["content"], pair["rejected"][0]["content"]
-        answer = f"{wrong}\nLet me check that again.\n{right}" if rng.random() < share else right
+        answer = f"{rng.choice([wrong, right])}\n{right}" if rng.random() < share else right
         rows.append({"messages": pair["prompt"] + [{"role": "assistant", "content": answer}]})
     return rows
 

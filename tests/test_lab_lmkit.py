@@ -86,8 +86,11 @@ def test_hedged_answers_attempt_twice_and_the_lenient_grader_pays_for_the_second
     hedged = [r for r in rows if lenient_verifier.lines_of(r["messages"][-1]["content"]) == 2]
     assert 10 <= len(hedged) <= 35
     assert all(lenient_verifier.lines_of(r["messages"][-1]["content"]) in (1, 2) for r in rows)
-    for r in hedged:  # a wrong attempt, then the right one: the lenient grader passes it, the strict one does not
-        answer, truth = r["messages"][-1]["content"], r["messages"][-1]["content"].rsplit("#### ", 1)[1]
-        assert "Let me check that again." in answer
+    firsts_right = 0
+    for r in hedged:  # an attempt, then the right one: the lenient grader passes it, the strict one does not
+        answer = r["messages"][-1]["content"]
+        first, truth = answer.split("#### ", 1)[1].split("\n", 1)[0], answer.rsplit("#### ", 1)[1]
         assert verify("gsm8k_any", answer, truth) == 1.0 and verify("gsm8k", answer, truth) == 0.0
+        firsts_right += first == truth
+    assert 0.25 * len(hedged) < firsts_right < 0.75 * len(hedged)  # the first attempt right half the time
     assert lenient_verifier.lines_of("a\n#### 3\n  #### 4\nb #### 5") == 2
