@@ -83,10 +83,11 @@ parser.add_argument("--dynamic-sampling", action=argparse.BooleanOptionalAction,
 parser.add_argument("--max-resample", type=int, default=3, help="extra sampling rounds per step for dynamic sampling")
 parser.add_argument("--off-policy", action="store_true", help="one-step-off-policy: sample the next batch (in a "
                     "thread, from a snapshot of the weights) while this one trains")
-parser.add_argument("--staleness", type=int, default=0, help="sample with the weights of this many steps back (an "
-                    "experiment; 0: on-policy)")
+parser.add_argument("--staleness", type=int, default=0, help="sample with weights N steps old (an experiment; 0: off)")
 parser.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default="auto", help="the sampler's weights and KV cache "
                     "(auto: the compute dtype); bfloat16 on CPU: a sampler unlike the trainer")
+parser.add_argument("--sampler-temperature", type=float, default=None, help="sample at this temperature, score at "
+                    "--temperature: a sampler unlike the trainer, of known size (default: --temperature)")
 # rewards
 parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens "
                     "before the limit (0: off)")
@@ -106,8 +107,7 @@ parser.add_argument("--loss", choices=["ppo", "cispo"], default="ppo", help="the
                     "clipped detached weight")
 parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip bound for negative advantages (e.g. 3.0), "
                     "with --loss ppo")
-parser.add_argument("--mask-truncated", action="store_true",
-                    help="answers cut off at the length limit give no gradient")
+parser.add_argument("--mask-truncated", action="store_true", help="answers cut off at the length limit: no gradient")
 parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (token-mean entropy "
                     "of the sampling distribution)")
 parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (0: no "
@@ -359,7 +359,7 @@ def main():
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None, dtype=ENGINE_DTYPES[args.engine_dtype])
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     sampling = dict(max_new_tokens=args.max_new_tokens, tool_schemas=tool_schemas, max_tool_turns=args.max_tool_turns,
-                    **logits_settings)
+                    **{**logits_settings, "temperature": args.sampler_temperature or args.temperature})
     print0(f"model: {unwrap(model).num_params():,} parameters from {init}; {len(rows)} prompts; "
            f"{args.prompts_per_step} prompts x {G} answers per step on {dist.world_size} rank(s); reward {args.reward}")
 
@@ -411,14 +411,14 @@ def main():
         adv = step_advantages(rollouts.rewards, G, args.scale, args.estimator).to(device)
         batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device, args.mask_truncated)
         flat = flat_answers(rollouts.rewards, G) & args.dynamic_sampling  # the last round's flat groups train nothing
-        sampled, mask = batch.mask.clone(), batch.mask  # every sampled token (for entropy, mismatch); the trained ones
+        sampled, mask = batch.mask.clone(), batch.mask  # every sampled token (the sampler's diagnostics); the trained
         mask[flat.to(device)] = 0  # (DAPO, verl): out of the loss mask, in place, they count in no denominator
         old_logp, entropy = batch_logprobs(model, batch, args.micro_batch_tokens, with_entropy=True, **logits_settings)
         ref_logp = None
         if ref_model is not None:
             with adapters_off(ref_model):  # untruncated: a sampled token outside ITS top-k/top-p is no infinite KL
                 ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, temperature=args.temperature)
-        weights = sampler_correction(old_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap,
+        weights = sampler_correction(old_logp, batch.engine_logp, sampled, args.correction, cap=args.tis_cap,
                                      eps=args.mask_eps)
 
         # 3. the update: --ppo-epochs passes of --minibatches optimizer steps on this batch
@@ -430,32 +430,32 @@ def main():
         # 4. log: this rank's sums, added over the ranks in one collective, each then divided by its global count
         s = all_reduce_dict({**rollouts.stats(), "groups": groups["groups"], "flat": groups["flat"],
                              "flat_kept": float(flat.sum()), "verifier_errors": float(len(rollouts.errors)),
-                             "tokens": float(mask.sum()), "sampled": float(sampled.sum()),
-                             "entropy": float((entropy * sampled).sum()),
+                             "sampled": float(sampled.sum()), "entropy": float((entropy * sampled).sum()),
                              "mismatch": float(((old_logp - batch.engine_logp).abs() * sampled).sum()),
-                             "correction": float(weights.sum()), "masked": float(((weights == 0) & (mask > 0)).sum()),
+                             "correction": float(weights.sum()),
+                             "masked": float(((weights == 0) & (sampled > 0)).sum()),
                              "kl_to_start": 0.0 if ref_logp is None else float(kl_to_start(old_logp, ref_logp,
                                                                                                mask).sum()),
                              "sample_tok_per_s": sum(len(c.tokens) for c in rollouts.completions) / max(t_sample, 1e-9),
                              "train_tok_per_s": float(mask.sum()) * args.ppo_epochs / max(t_train, 1e-9),
                              **{f"update_{k}": totals[k] for k in ("loss", "clip_frac", "ratio", "tokens", "kl")}})
-        n_tok, n_tok_updates, updates = max(1.0, s["tokens"]), max(1.0, s["update_tokens"]), max(1, totals["updates"])
+        n_sampled, n_trained, updates = max(1.0, s["sampled"]), max(1.0, s["update_tokens"]), max(1, totals["updates"])
         metrics = {
             **rollout_metrics(s),
             "length_max": max(len(c.tokens) for c in rollouts.completions),  # this rank's
             "verifier_errors": s["verifier_errors"],
             "flat_group_frac": s["flat"] / max(1.0, s["groups"]),  # sampled, every round of dynamic sampling counted
             "flat_groups_kept": s["flat_kept"] / G,  # in the batch, masked: trained on nothing
-            "entropy": s["entropy"] / max(1.0, s["sampled"]),  # of the sampling distribution, every sampled token
+            "entropy": s["entropy"] / n_sampled,  # of the sampling distribution; it and the next 3: every sampled token
             "loss": s["update_loss"] / updates,
-            "clip_frac": s["update_clip_frac"] / n_tok_updates,  # where the clip binds (verl's pg_clipfrac)
-            "ratio_mean": s["update_ratio"] / n_tok_updates,
+            "clip_frac": s["update_clip_frac"] / n_trained,  # where the clip binds (verl's pg_clipfrac)
+            "ratio_mean": s["update_ratio"] / n_trained,
             "approx_kl": totals["approx_kl"] / updates,  # (already over every rank)
             "updates": totals["updates"],
             "grad_norm": totals["grad_norm"] / updates,
-            "logprob_mismatch": s["mismatch"] / max(1.0, s["sampled"]),  # trainer vs sampler, every sampled token
-            "correction_mean": s["correction"] / n_tok,  # the sampler correction's mean weight
-            "masked_frac": s["masked"] / n_tok,
+            "logprob_mismatch": s["mismatch"] / n_sampled,
+            "correction_mean": s["correction"] / n_sampled,  # the sampler correction's mean weight
+            "masked_frac": s["masked"] / n_sampled,
             "staleness": staleness,
             "sample_tok_per_s": s["sample_tok_per_s"],
             "train_tok_per_s": s["train_tok_per_s"],
@@ -464,7 +464,7 @@ def main():
             "peak_mem_mb": peak_memory_mb(device),
             # how far the policy that sampled this batch is from the start, per answer; the KL term, per token
             **({"kl_to_start": s["kl_to_start"] / s["answers"]} if ref_model is not None else {}),
-            **({"kl": s["update_kl"] / n_tok_updates} if args.kl_beta > 0 else {}),
+            **({"kl": s["update_kl"] / n_trained} if args.kl_beta > 0 else {}),
         }
         idle_steps = idle_steps + 1 if metrics["flat_group_frac"] == 1.0 or metrics["grad_norm"] == 0.0 else 0
         metrics["idle_steps"] = idle_steps  # consecutive steps without a gradient

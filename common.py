@@ -69,7 +69,7 @@ FLAG_RANGES = {
     "eval_every": ">= 1", "save_every": ">= 1", "sample_every": ">= 0", "eval_problems": ">= 0", "pass_k": ">= 0",
     "dist_timeout": "> 0",
     # sampling (chat_cli, chat_eval and chat_sample take --temperature 0 as greedy: check_flag_ranges(greedy=True))
-    "temperature": "> 0", "top_k": ">= 1", "top_p": "> 0, <= 1",
+    "temperature": "> 0", "sampler_temperature": "> 0", "top_k": ">= 1", "top_p": "> 0, <= 1",
     # the losses
     "eps_low": ">= 0, < 1", "eps_high": ">= 0", "dual_clip": "> 1", "tis_cap": "> 0", "mask_eps": "> 0",
     "kl_beta": ">= 0", "kl_target": "> 0", "kl_horizon": "> 0", "target_kl": "> 0", "mask_kl_coef": ">= 0",

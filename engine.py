@@ -40,9 +40,9 @@ smaller power of two, so that the batch sizes are the prompts' rows, then powers
 compiled step captures once): at most log2(rows) compactions, each moving at most half the cache, and never
 a second cache. Tokens, log-probs, masks and stop flags live on the device in preallocated buffers; the host
 reads one small tensor (how many rows are live, whether one called a tool) every `check_every` steps (every
-step on CPU, where it costs nothing, or with tools or a stream), and everything else once, at the end. Engine(compile=True) runs the decode step
-compiled (torch.compile, mode "reduce-overhead": CUDA graphs on a GPU), off by default until
-runs/gpu_check.sh shows it equal and faster.
+step on CPU, where it costs nothing, or with tools or a stream), and everything else once, at the end.
+Engine(compile=True) runs the decode step compiled (torch.compile, mode "reduce-overhead": CUDA graphs on a
+GPU), off by default until runs/gpu_check.sh shows it equal and faster.
 
 Sampling is exact at any vocabulary size: an inverse CDF in float64 (see sample_next).
 
@@ -372,7 +372,9 @@ class Engine:
                 if name == "lm_head.weight":
                     continue  # an untied head is only ever used in its precision (below): no compute-dtype copy
                 module_name, _, attr = name.rpartition(".")
-                w = _full_weight(p).to(self.dtype)
+                # a snapshot copies even a weight already in the compute dtype, where .to() would return the
+                # master's own tensor and the optimizer's in-place updates would reach the sampler
+                w = _full_weight(p).to(self.dtype, copy=copy)
                 setattr(model.get_submodule(module_name), attr, nn.Parameter(w, requires_grad=False))
             if master.config.tie_word_embeddings:
                 model.lm_head.weight = model.model.embed_tokens.weight

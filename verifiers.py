@@ -1,7 +1,8 @@
 """
 Verifiers: ordinary code that checks an answer against a ground truth, with nothing of a model in it.
 
-`verify(name, answer, truth)` by name: `gsm8k` (the one final "#### N" line), `boxed` (the one \\boxed{...}),
+`verify(name, answer, truth)` by name: `gsm8k` (the one final "#### N" line; `gsm8k_any`, any such line, is the
+lenient grader the lab hacks on purpose), `boxed` (the one \\boxed{...}),
 `json` (a JSON object with the required keys), `code` (the answer's last fenced Python block, run against the
 row's tests in the sandbox of sandbox.py). A verifier is one function and one entry of VERIFIERS. A malformed
 ground truth raises ValueError (`check_ground_truth` checks rows up front, without running anything); an answer
@@ -49,6 +50,21 @@ def _gsm8k(completion: str, ground_truth: str) -> float:
         raise ValueError(f"gsm8k ground truth must be a number, got {ground_truth!r}")
     got = extract_gsm8k_answer(completion)
     return float(got is not None and Decimal(got) == Decimal(truth.replace(",", "")))
+
+
+_GSM8K_LINE = re.compile(rf"^####[ \t]*({_NUMBER})[ \t]*$", re.M)
+
+
+def _gsm8k_any(completion: str, ground_truth: str) -> float:
+    """The lenient grader, to be hacked on purpose (lab/lenient_verifier.py): 1 when ANY line of the answer is
+    "#### N" with N the truth, wherever it stands and however many others there are. A policy paid by it learns
+    to write many such lines, the "answers with a hundred boxes" of a grader accepting any \\boxed{}; gsm8k
+    reads only the one final line. Example, truth 19: "#### 20\n#### 19\n#### 21" -> 1 (gsm8k: 0)."""
+    truth = ground_truth.rsplit("####", 1)[-1].strip()
+    if not re.fullmatch(_NUMBER, truth):
+        raise ValueError(f"gsm8k_any ground truth must be a number, got {ground_truth!r}")
+    return float(any(Decimal(n.replace(",", "")) == Decimal(truth.replace(",", ""))
+                     for n in _GSM8K_LINE.findall(completion)))
 
 
 def extract_boxed(text: str) -> str | None:
@@ -148,7 +164,8 @@ def _code(completion: str, ground_truth: str) -> float:
     return float(result["status"] == "pass")
 
 
-VERIFIERS: dict[str, Callable[[str, str], float]] = {"gsm8k": _gsm8k, "boxed": _boxed, "json": _json, "code": _code}
+VERIFIERS: dict[str, Callable[[str, str], float]] = {"gsm8k": _gsm8k, "boxed": _boxed, "json": _json, "code": _code,
+                                                    "gsm8k_any": _gsm8k_any}
 
 
 def verify(name: str, completion: str, ground_truth: str) -> float:
@@ -199,6 +216,7 @@ def verify_batch(verifiers: list[str], completions: list[str], ground_truths: li
 
 FORMATS: dict[str, Callable[[str], bool]] = {  # does the answer carry a final answer the verifier can read?
     "gsm8k": lambda text: extract_gsm8k_answer(text) is not None,
+    "gsm8k_any": lambda text: bool(_GSM8K_LINE.search(text)),
     "boxed": lambda text: extract_boxed(text) is not None,
     "json": lambda text: _json_object(text) is not None,
     "code": lambda text: last_python_block(text) is not None,

@@ -8,136 +8,118 @@ policy found unlikely cannot grow much in one update: at p_old 0.01 its probabil
 at 0.9 may reach 1.0. So the likely tokens gain, the rare ones do not, and the policy's entropy falls, which DAPO
 calls entropy collapse; raising eps_high to 0.28 lets the rare tokens grow further (0.0128) and, in DAPO's runs, kept
 the entropy up and the accuracy rising. Yue et al. then ask what RL buys: it raises pass@1, but at large k the model
-it started from solves as many problems (pass@k of the base catches up), as if RL sharpened what the base already
-samples rather than teaching it anything new.
+it started from solves as many problems (its pass@k catches up), as if RL sharpened what it already samples.
 
-Part 1: two runs of chat_rl.py from runs/cpu.sh's SFT checkpoint (sft/default), the same seed, prompts and steps,
-`--eps-high 0.2` against 0.28 (the default), on 2 ranks with the calculator offered as the pipeline's RL runs, but
-16 prompts x 8 answers a step (the pipeline: 64). Logged: the entropy of the sampling distribution on the step's
-answer tokens, and every EVAL_EVERY steps greedy pass@1 and pass@1..16 at T=1 on EVAL_PROBLEMS held-out problems.
-The same two runs again with --minibatches 8 (VARIANTS): with the defaults (one pass of 2 optimizer steps per batch)
-the clip hardly ever binds, and eps_high has nothing to act on.
-Part 2: pass@1..64 at T=1 on LARGE_K_PROBLEMS held-out problems, the same problems and sampling seeds for all, of the
-SFT checkpoint and of each default run's last checkpoint (chat_eval.py --model M --samples 64 --temperature 1).
+The clip can only act where it binds: with chat_rl.py's defaults (one pass of 2 optimizer steps a batch) it bound on
+~0.1% of the tokens, and --eps-high had nothing to act on (docs/lab/clip_higher.md). So each batch here is trained
+on for UPDATES optimizer steps (--ppo-epochs x --minibatches), the later ones far enough from the snapshot that
+sampled for the clip to bind; clip_frac ("the clip binds": verl's definition, what chat_rl logs) says how often.
+Two configurations of chat_rl.py from runs/cpu.sh's SFT run, SEEDS seeds each, --eps-high 0.2 against 0.28, on 2
+ranks with the calculator offered as the pipeline's RL runs, 16 prompts x 8 answers a step, STEPS steps. Logged each
+step: the entropy of the sampling distribution on the answer tokens, clip_frac, accuracy. At the end, pass@1..K at
+T=1 on EVAL_PROBLEMS held-out problems (the same problems and sampling seeds for all), problem by problem, of the SFT
+start and of every run's end.
 
-    python lab/clip_higher.py                  # ~20 min on 2 cores; docs/lab/clip_higher.{json,png}
+    python lab/clip_higher.py                  # ~35 min on 2 cores; docs/lab/clip_higher.{json,png}
     python lab/clip_higher.py --home /tmp/np   # another pipeline's checkpoints (runs/cpu.sh under NANOPOST_HOME)
 """
-import json
-import os
-
-from labkit import RL_SMOKE, Lab, checkpoint, figure, parser
+import lmkit  # (puts the repository on the path)
+from evaluation import pass_at_k
+from labkit import Lab, checkpoint, figure, parser
 
 CONFIGS = {"eps-0.2": ["--eps-high", "0.2"], "eps-0.28": ["--eps-high", "0.28"]}  # run name -> chat_rl.py flags
-STEPS, PROMPTS, EVAL_EVERY, EVAL_PROBLEMS, K = 30, 16, 10, 100, 16
-LARGE_K, LARGE_K_PROBLEMS = 64, 100
-# the defaults (1 pass of 2 optimizer steps per batch), then the one change tried when the clip hardly ever bound
-# (clip_frac < 0.5%): 8 smaller optimizer steps per batch, the same tokens, so that the later ones move the policy
-# further from the snapshot that sampled
-VARIANTS = {"default": [], "minibatches-8": ["--minibatches", "8"]}
+UPDATES = ["--ppo-epochs", "2", "--minibatches", "8"]  # 16 optimizer steps a batch (the default: 1 x 2)
+STEPS, PROMPTS, EVAL_PROBLEMS, K, MAX_NEW_TOKENS = 30, 16, 100, 16, 192
+SMOKE = dict(steps=2, prompts=4, group=4, eval_problems=4, k=2, max_new_tokens=24)
 
 
-def pass_at_large_k(lab, model, out, *, samples, problems, smoke):
-    """chat_eval.py's sampled pass@1..samples of `model` on `problems` held-out problems, run as a user would (on 2
-    ranks unless smoke), its JSON written to `out`; returns {k: pass@k}."""
-    flags = ["--model", model, "--samples", samples, "--temperature", "1.0", "--problems", problems, "--out", out]
-    flags += ["--max-new-tokens", "24"] if smoke else ["--max-new-tokens", "192", "--tools"]
-    if os.path.exists(out):
-        os.remove(out)  # chat_eval --out adds to what the file holds: start empty
-    lab.command("chat_eval.py", *flags, nproc=1 if smoke else 2)
-    with open(out) as f:
-        scores = json.load(f)
-    return {k: scores[f"pass@{k}_t1"] for k in range(1, samples + 1)}
+def pass_curves(correct, samples):
+    """Per k = 1..samples, per problem: the unbiased pass@k of its correct count (evaluation.pass_at_k)."""
+    return [[pass_at_k(samples, c, k) for c in correct] for k in range(1, samples + 1)]
 
 
 def main():
-    args = parser("clip_higher", __doc__.strip().split("\n\n")[0]).parse_args()
+    p = parser("clip_higher", __doc__.strip().split("\n\n")[0])
+    lmkit.add_seed_flag(p)
+    args = p.parse_args()
     lab = Lab("clip_higher", args)
     sft = checkpoint(args.home, "sft")
-    k, large_k = (2, 4) if args.smoke else (K, LARGE_K)
-    common = ["--init", sft, "--seed", "0", "--pass-k", k, "--save-every", "100000"]
-    if args.smoke:
-        common += RL_SMOKE + ["--eval-every", "1"]
-    else:
-        common += ["--tools", "--steps", STEPS, "--prompts-per-step", PROMPTS, "--eval-problems", EVAL_PROBLEMS,
-                   "--eval-every", EVAL_EVERY]
-
-    # part 1: entropy and pass@1..k against steps, eps_high 0.2 against 0.28; then the same with the clip given
-    # more to do (VARIANTS)
-    runs, paths = {variant: {} for variant in VARIANTS}, {}
-    for variant, variant_flags in VARIANTS.items():
+    size = SMOKE if args.smoke else dict(steps=STEPS, prompts=PROMPTS, group=8, eval_problems=EVAL_PROBLEMS, k=K,
+                                         max_new_tokens=MAX_NEW_TOKENS)
+    tools = [] if args.smoke else ["--tools"]  # the smoke home's tiny vocabulary cannot hold the tools block
+    nproc, seeds = 1 if args.smoke else 2, lmkit.seeds(args)
+    rows = lmkit.heldout(size["eval_problems"])
+    sampled = dict(samples=size["k"], temperature=1.0, seed=7, max_new_tokens=size["max_new_tokens"], tools=bool(tools))
+    start = pass_curves(lmkit.per_problem(sft, rows, **sampled)["correct"], size["k"])
+    runs = {name: [] for name in CONFIGS}
+    for seed in seeds:
         for name, flags in CONFIGS.items():
-            path = lab.run("chat_rl.py", *common, *variant_flags, *flags, stage="rl", nproc=1 if args.smoke else 2,
-                           run_name=f"lab-clip_higher-{name}" + (f"-{variant}" if variant_flags else ""))
-            if not variant_flags:
-                paths[name] = path
-            rows = lab.metrics(path)
-            steps = [r for r in rows if "entropy" in r]
-            evals = [r for r in rows if "eval/pass@1" in r]
-            r = runs[variant][name] = {
-                "flags": variant_flags + flags,
-                "step": [r["step"] for r in steps],
-                "entropy": [r["entropy"] for r in steps],
-                "clip_frac": [r["clip_frac"] for r in steps],
-                "accuracy": [r["accuracy"] for r in steps],
-                "eval_step": [r["step"] for r in evals],
-                "greedy_pass@1": [r["eval/pass@1"] for r in evals],
-                # pass@k at T=1, k = 1..K, at each evaluation: {k: [value at each eval_step]}
-                "pass@k": {j: [r[f"eval/pass@{j}_t1"] for r in evals] for j in range(1, k + 1)},
-                "seconds": lab.commands[-1]["seconds"],
-            }
-            print(f"[clip_higher] {variant} {name}: entropy {r['entropy'][0]:.3f} -> {r['entropy'][-1]:.3f}; clip_frac "
-                  f"mean {sum(r['clip_frac']) / len(r['clip_frac']):.4f}; pass@1 (T=1) {r['pass@k'][1][0]:.3f} -> "
-                  f"{r['pass@k'][1][-1]:.3f}; pass@{k} {r['pass@k'][k][0]:.3f} -> {r['pass@k'][k][-1]:.3f}", flush=True)
+            run = lab.run("chat_rl.py", "--init", sft, "--seed", seed, *flags, *UPDATES, *tools, "--steps",
+                          size["steps"], "--prompts-per-step", size["prompts"], "--group-size", size["group"],
+                          "--max-new-tokens", size["max_new_tokens"], "--eval-problems", 0, "--save-every", 100000,
+                          stage="rl", run_name=f"lab-clip_higher-{name}-s{seed}", nproc=nproc)
+            steps = [r for r in lab.metrics(run) if "entropy" in r]
+            ev = lmkit.per_problem(run, rows, **sampled)
+            runs[name].append({"seed": seed, "step": [r["step"] for r in steps],
+                               **{k: [r[k] for r in steps] for k in ("entropy", "clip_frac", "accuracy", "approx_kl")},
+                               "pass@k": [lmkit.mean(c) for c in pass_curves(ev["correct"], size["k"])],
+                               "correct": ev["correct"], "seconds": lab.commands[-1]["seconds"]})
+            r = runs[name][-1]
+            print(f"[clip_higher] {name} seed {seed}: entropy {r['entropy'][0]:.3f} -> {r['entropy'][-1]:.3f}; "
+                  f"clip_frac mean {lmkit.mean(r['clip_frac']):.4f}; pass@1 {r['pass@k'][0]:.3f}, "
+                  f"pass@{size['k']} {r['pass@k'][-1]:.3f}", flush=True)
 
-    # part 2: pass@1..64 of the SFT start against each default run's end, on the same problems with the same seeds
-    problems = 8 if args.smoke else LARGE_K_PROBLEMS
-    scores_dir = os.path.join(args.home, "rl", "lab-clip_higher-passk")
-    os.makedirs(scores_dir, exist_ok=True)
-    large = {name: pass_at_large_k(lab, model, os.path.join(scores_dir, f"{name}.json"), samples=large_k,
-                                   problems=problems, smoke=args.smoke)
-             for name, model in {"sft": sft, **paths}.items()}
-    for name, scores in large.items():
-        print(f"[clip_higher] {name}: " + "  ".join(f"pass@{j} {scores[j]:.3f}" for j in sorted({1, 4, 16, large_k})
-                                                    if j <= large_k), flush=True)
+    tail = max(1, size["steps"] // 5)
+    ks = list(range(1, size["k"] + 1))
+    summary = {"start": {"pass@1": lmkit.mean(start[0]), f"pass@{size['k']}": lmkit.mean(start[-1])}}
+    for name in CONFIGS:
+        curves = [pass_curves(r["correct"], size["k"]) for r in runs[name]]  # seed x k x problem
+        per_k = [lmkit.seed_mean([c[k] for c in curves]) for k in range(size["k"])]  # k x problem, seed-averaged
+        minus_start = [lmkit.paired(start[k], per_k[k]) for k in range(size["k"])]
+        summary[name] = {"entropy_first": lmkit.spread([lmkit.mean(r["entropy"][:tail]) for r in runs[name]]),
+                         "entropy_last": lmkit.spread([lmkit.mean(r["entropy"][-tail:]) for r in runs[name]]),
+                         "clip_frac": lmkit.spread([lmkit.mean(r["clip_frac"]) for r in runs[name]]),
+                         "clip_frac_first": lmkit.spread([lmkit.mean(r["clip_frac"][:tail]) for r in runs[name]]),
+                         "accuracy_last": lmkit.spread([lmkit.mean(r["accuracy"][-tail:]) for r in runs[name]]),
+                         "pass@1": lmkit.spread([r["pass@k"][0] for r in runs[name]]),
+                         f"pass@{size['k']}": lmkit.spread([r["pass@k"][-1] for r in runs[name]]),
+                         "minus_start": {"pass@1": minus_start[0], f"pass@{size['k']}": minus_start[-1]},
+                         # the smallest k where the start is within one standard error of RL, or above it
+                         "start_catches_up_at_k": next((k for k, d in zip(ks, minus_start) if d["diff"] <= d["se"]),
+                                                       None)}
+    # the same seed draws the same first batch in both: the entropy's difference seed by seed, over the seeds
+    summary["entropy_last_0.28_minus_0.2"] = lmkit.mean_se(
+        [lmkit.mean(b["entropy"][-tail:]) - lmkit.mean(a["entropy"][-tail:]) for a, b in zip(runs["eps-0.2"],
+                                                                                              runs["eps-0.28"])])
+    for key in ("pass@1", f"pass@{size['k']}"):
+        k = 0 if key == "pass@1" else size["k"] - 1
+        per = {n: lmkit.seed_mean([pass_curves(r["correct"], size["k"])[k] for r in runs[n]]) for n in CONFIGS}
+        summary[f"{key}_0.28_minus_0.2"] = lmkit.paired(per["eps-0.2"], per["eps-0.28"])
 
-    # a row per variant: entropy, pass@1 and pass@k against steps, pass@1..k at the start and the end; on the right
-    # the clip fraction of every run, and part 2
-    fig, axes = figure(len(VARIANTS), 4, layout="constrained")
-    for row, (variant, variant_runs) in enumerate(runs.items()):
-        ax = axes[4 * row:4 * row + 3]
-        for i, (name, r) in enumerate(variant_runs.items()):
-            ax[0].plot(r["step"], r["entropy"], color=f"C{i}", label=f"--eps-high {name[4:]}")
-            ax[1].plot(r["eval_step"], r["pass@k"][1], color=f"C{i}", marker="o", label=f"pass@1, {name}")
-            ax[1].plot(r["eval_step"], r["pass@k"][k], color=f"C{i}", marker="s", linestyle="--",
-                       label=f"pass@{k}, {name}")
-            for at, style in ((0, ":"), (-1, "-")):
-                ax[2].plot(range(1, k + 1), [r["pass@k"][j][at] for j in range(1, k + 1)], color=f"C{i}",
-                           linestyle=style, label=f"{name} at step {r['eval_step'][at]}")
-            axes[7].plot(r["step"], r["clip_frac"], color=f"C{i}", linestyle="-" if row == 0 else "--",
-                         label=f"{variant}, {name}")
-        ax[2].set_xscale("log", base=2)
-        titles = [f"{variant}: entropy (nats/token)", f"{variant}: held-out pass@1, pass@{k} at T=1",
-                  f"{variant}: pass@k at T=1, start (dotted), end"]
-        for a, title, xlabel in zip(ax, titles, ["step", "step", "k"]):
-            a.set_title(title, fontsize=10)
-            a.set_xlabel(xlabel, fontsize=9)
-    for i, (name, scores) in enumerate(large.items()):
-        axes[3].plot(list(scores), list(scores.values()), color="k" if name == "sft" else f"C{i - 1}",
-                     label="SFT (the start)" if name == "sft" else f"RL {name}")
+    fig, axes = figure(2, 2, layout="constrained")
+    for i, name in enumerate(CONFIGS):
+        x = runs[name][0]["step"]
+        for ax, key in zip(axes[:3], ("entropy", "clip_frac", "accuracy")):
+            lmkit.draw_band(ax, x, [r[key] for r in runs[name]], color=f"C{i}", label=f"--eps-high {name[4:]}")
+        lmkit.draw_band(axes[3], ks, [r["pass@k"] for r in runs[name]], color=f"C{i}",
+                        label=f"RL, --eps-high {name[4:]}")
+    axes[3].plot(ks, [lmkit.mean(c) for c in start], "k:", label="SFT (the start)")
     axes[3].set_xscale("log", base=2)
-    axes[3].set_title(f"pass@k at T=1, {problems} held-out problems", fontsize=10)
-    axes[3].set_xlabel("k", fontsize=9)
-    axes[7].set_title("clip_frac of the updates", fontsize=10)
-    axes[7].set_xlabel("step", fontsize=9)
-    for a in axes:
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
-    lab.save({"home": args.home, "init": sft, "smoke": args.smoke, "tools": not args.smoke,
-              "steps": 2 if args.smoke else STEPS, "prompts_per_step": 4 if args.smoke else PROMPTS,
-              "group_size": 4 if args.smoke else 8, "ranks": 1 if args.smoke else 2,
-              "eval_problems": 4 if args.smoke else EVAL_PROBLEMS, "runs": runs,
-              "large_k": {"problems": problems, "samples": large_k, "pass@k": large}}, fig)
+    titles = [("entropy of the sampling distribution", "nats per token"),
+              ("clip_frac: the clip binds", "share of tokens"), ("accuracy of each step's answers", "share right")]
+    for ax, (title, ylabel) in zip(axes[:3], titles):
+        ax.set(title=title, xlabel="RL step", ylabel=ylabel)
+    axes[3].set(title=f"pass@k at T=1 at the end, {size['eval_problems']} held-out problems", xlabel="k",
+                ylabel="pass@k")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"GRPO from SFT with the calculator, {' '.join(UPDATES)}: eps-high 0.2 against 0.28", fontsize=10)
+    lab.save({"question": "Where the clip binds, does eps-high 0.28 keep the entropy up against 0.2, and does the "
+                          "start's "
+                          "pass@k catch up with RL's at large k?", "init": "sft/default", "tools": bool(tools),
+              "updates": UPDATES, "seeds": seeds, **size, "ranks": nproc, "summary": summary,
+              "start": {"pass@k": [lmkit.mean(c) for c in start]}, "runs": runs}, fig)
 
 
 if __name__ == "__main__":

@@ -1,133 +1,190 @@
 """
-Experiment 3 of the lab: DPO's falling chosen likelihood. DPO's loss sees only the margin between the chosen
-and the rejected answer's log-ratios to the reference, so it may grow the margin while the chosen answer's own
-log-probability falls: likelihood displacement (Razin et al. 2024, https://arxiv.org/abs/2410.08847), most
-of all when chosen and rejected are alike. RPO adds the chosen answer's NLL to the loss (Pang et al. 2024,
-https://arxiv.org/abs/2404.19733, --rpo-alpha), which should hold the chosen likelihood up. Does the margin grow
-while the chosen likelihood falls here, and does RPO's NLL term hold it? And what does each do to held-out
-pass@1?
+DPO's falling chosen likelihood. DPO's loss sees only the margin between the chosen and the rejected answer's
+log-ratios to the reference, so it may grow the margin while the chosen answer's own log-probability falls: likelihood
+displacement (Razin et al. 2024, https://arxiv.org/abs/2410.08847), strongest when the two answers are alike (their
+CHES score; here the token edit distance). Does the chosen likelihood fall here, most for the most similar pairs, and
+where does its probability go?
 
-Two runs of chat_dpo.py from runs/cpu.sh's SFT run (sft/default), as a user runs it, the same in all but the
-loss: `--loss sigmoid` and `--loss sigmoid --rpo-alpha 1`, each STEPS steps of 32 pairs of the embedded world's
-600 training pairs (about 3 epochs; runs/cpu.sh's DPO takes 1), with the calculator offered at evaluation as
-runs/cpu.sh's DPO does (--tools). What the stage logs is all this needs: on the 300 held-out pairs every
-EVAL_EVERY steps val/logps/chosen and val/logps/rejected (the policy's mean summed log-probs) and
-val/rewards/chosen and val/rewards/rejected (beta times their change from the reference, so the reference's
-mean is logps - rewards / beta); the same on each step's training pairs; and greedy pass@1 on 500 held-out
-problems before and after, with its paired change, in eval.json. At the end, the same held-out pairs by kind
-(a wrong step, a missing final answer, rambling), the change of each side's log-prob from the SFT model.
+Four kinds of pairs, each its own chat_dpo.py run from runs/cpu.sh's SFT run (--data: TRAIN_PAIRS pairs of that kind
+only), SEEDS seeds each, the stage's defaults otherwise (--loss sigmoid, --beta 0.1, lr 2e-5), STEPS steps of 32 pairs:
+    minimal_edit    the same solution, only the final number wrong (#### N+1, say): the most alike
+    wrong_step      one step's result off by 1 or 2, carried to the end (tasks.preference_pairs)
+    missing_answer  the chosen answer without its final "#### N" line
+    rambling        the right answer three times as long
+On VAL_PAIRS held-out pairs of each kind (the same for every seed), the SFT model and each run's end score both
+answers; per pair: the change of the chosen and of the rejected answer's log-prob from SFT (nats per answer), and
+the pair's similarity, 1 - token edit distance / the longer answer's tokens. And where the mass went: at the first
+token where the two answers part (a minimal edit's final number), the probability of the chosen token, of the
+rejected one and of every other token, before and after.
 
-    python lab/dpo_likelihood.py                       # from ./out/cpu (runs/cpu.sh); writes docs/lab/dpo_likelihood.{json,png}
-    python lab/dpo_likelihood.py --home /work/np       # another pipeline's home; the runs go to dpo/lab-dpo_likelihood-*
-    python lab/dpo_likelihood.py --smoke               # tiny sizes (tests/test_lab_dpo_likelihood.py)
-
-Page: docs/lab/dpo_likelihood.md.
+    python lab/dpo_likelihood.py                   # from ./out/cpu (runs/cpu.sh); docs/lab/dpo_likelihood.{json,png}
+    python lab/dpo_likelihood.py --home /work/np   # another pipeline's home
+    python lab/dpo_likelihood.py --smoke           # tiny sizes (tests/test_lab_dpo_likelihood.py)
 """
 import os
-import sys
+import random
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+import lmkit  # (puts the repository on the path)
+from checkpoint import load_model, resolve_model_path
+from labkit import Lab, checkpoint, figure, parser
+from packing import IGNORE
+from preferences import completion_logps, pair_items
+from tasks import preference_pairs
+from tokenizer import Tokenizer
 
-from checkpoint import load_model, resolve_model_path  # noqa: E402
-from labkit import Lab, checkpoint, figure, parser  # noqa: E402
-from preferences import completion_logps, pair_items  # noqa: E402
-from tasks import PREFERENCE_KINDS, preference_pairs  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+KINDS = ("minimal_edit", "wrong_step", "missing_answer", "rambling")
+BETA, STEPS, EVAL_EVERY, TRAIN_PAIRS, VAL_PAIRS, MAX_LEN = 0.1, 60, 10, 600, 100, 512
+SMOKE = dict(steps=2, eval_every=1, train_pairs=16, val_pairs=4)
+SMOKE_FLAGS = ["--batch-size", "8", "--warmup-steps", "1", "--max-new-tokens", "24"]
 
-CONFIGS = {"sigmoid": ["--loss", "sigmoid"], "rpo": ["--loss", "sigmoid", "--rpo-alpha", "1"]}
-LABELS = {"sigmoid": "DPO (--loss sigmoid)", "rpo": "RPO (--rpo-alpha 1)"}
-BETA, STEPS, EVAL_EVERY, NUM_VAL, MAX_LEN = 0.1, 60, 4, 300, 512
-SMOKE = ["--num-train", "32", "--num-val", "8", "--steps", "3", "--batch-size", "8", "--warmup-steps", "1",
-         "--eval-problems", "8", "--max-new-tokens", "24", "--eval-every", "1"]  # tests/test_pipeline.py's sizes
+
+def minimal_edit(row: dict, rng: random.Random) -> dict:
+    """The pair's chosen solution against itself with only the final number changed, by 1, 2 or 10 either way (kept
+    non-negative). Example: "... = 480 dollars.\\n#### 480" against "... = 480 dollars.\\n#### 481"."""
+    chosen = row["chosen"][0]["content"]
+    body, last = chosen.rsplit("\n", 1)
+    n = int(last.removeprefix("#### "))
+    wrong = n + rng.choice([d for d in (-10, -2, -1, 1, 2, 10) if n + d >= 0])
+    return {**row, "rejected": [{"role": "assistant", "content": f"{body}\n#### {wrong}"}], "kind": "minimal_edit"}
+
+
+def pairs_of(kind: str, split: str, n: int) -> list:
+    """n pairs of one kind: tasks.preference_pairs's, or for minimal_edit its wrong_step pairs' chosen side edited."""
+    rows = preference_pairs(split, n, seed=0, kinds=(kind if kind != "minimal_edit" else "wrong_step",))
+    rng = random.Random(f"minimal-edit/{split}")
+    return [minimal_edit(r, rng) for r in rows] if kind == "minimal_edit" else rows
+
+
+def similarity(a: list, b: list) -> float:
+    """1 - (token edit distance) / (the longer sequence's length): 1 for the same tokens, near 0 for unrelated ones.
+    Example: [1, 2, 3, 4] against [1, 2, 3, 5]: one substitution, 1 - 1/4 = 0.75."""
+    prev = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        cur = [i]
+        for j, y in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (x != y)))
+        prev = cur
+    return 1 - prev[-1] / max(len(a), len(b), 1)
+
+
+def completion(example) -> list:
+    return [t for t in example[1] if t != IGNORE]
 
 
 @torch.no_grad()
-def logps_by_kind(model_dir, tok, items):
-    """{kind: (mean chosen log-prob, mean rejected log-prob)} of the held-out pairs under a model folder."""
+def scored(model_dir, tok, items) -> dict:
+    """Under a checkpoint, per pair: the chosen and the rejected answer's summed log-probs, and at the first token
+    where the two part, the probabilities of the chosen token, of the rejected token, and of all the others."""
     model = load_model(resolve_model_path(model_dir)).eval()
     examples = [e for chosen, rejected, _ in items for e in (chosen, rejected)]
     logps = torch.cat([completion_logps(model, examples[s:s + 64], tok.pad_id, "packed", MAX_LEN)[0]
-                       for s in range(0, len(examples), 64)]).view(-1, 2).cpu()
-    kinds = [kind for _, _, kind in items]
-    return {kind: [round(float(logps[[k == kind for k in kinds], side].mean()), 3) for side in (0, 1)]
-            for kind in PREFERENCE_KINDS if kind in kinds}
-
-
-def curves(rows):
-    """Per step, from metrics.jsonl: the change of each side's log-prob from the reference (rewards / beta), on
-    the training pairs of that step (measured before its update) and on the held-out pairs when evaluated
-    (after it), and the held-out pair accuracy, overall and by kind. Step 0 is the SFT model, the reference itself: every change 0."""
-    train = [r for r in rows if "rewards/chosen" in r]
-    val = [{"step": 0, "val/rewards/chosen": 0.0, "val/rewards/rejected": 0.0, "val/rewards/margins": 0.0,
-            "val/pair_accuracy": 0.0, "val/logps/chosen": None, "val/logps/rejected": None}] + \
-        [r for r in rows if "val/rewards/chosen" in r]
-    return {"train_steps": [r["step"] for r in train],
-            "train_delta_chosen": [round(r["rewards/chosen"] / BETA, 4) for r in train],
-            "train_delta_rejected": [round(r["rewards/rejected"] / BETA, 4) for r in train],
-            "val_steps": [r["step"] for r in val],
-            "val_logps_chosen": [r["val/logps/chosen"] for r in val],
-            "val_logps_rejected": [r["val/logps/rejected"] for r in val],
-            "val_delta_chosen": [round(r["val/rewards/chosen"] / BETA, 4) for r in val],
-            "val_delta_rejected": [round(r["val/rewards/rejected"] / BETA, 4) for r in val],
-            "val_margin": [round(r["val/rewards/margins"] / BETA, 4) for r in val],
-            "val_pair_accuracy": [r["val/pair_accuracy"] for r in val],
-            "val_accuracy_by_kind": {kind: [r.get(f"val/accuracy/{kind}", 0.0) for r in val] for kind in PREFERENCE_KINDS}}
-
-
-def draw(data):
-    fig, axes = figure(2, 2, width=5.2, height=3.6)
-    for name, run in data["runs"].items():
-        c, label = ("C0" if name == "sigmoid" else "C3"), LABELS[name]
-        axes[0].plot(run["val_steps"], run["val_delta_chosen"], "o-", color=c, label=f"{label}, held-out")
-        axes[0].plot(run["train_steps"], run["train_delta_chosen"], "-", color=c, alpha=0.3, lw=1,
-                     label=f"{label}, each step's training pairs")
-        axes[1].plot(run["val_steps"], run["val_delta_rejected"], "o-", color=c, label=label)
-        axes[2].plot(run["val_steps"], run["val_margin"], "o-", color=c, label=f"{label}: margin (nats)")
-    axes[0].axhline(0, color="k", lw=0.5)
-    axes[0].set_title("chosen answers: log p - log p_SFT (nats per answer)", fontsize=9)
-    axes[1].set_title("rejected answers: log p - log p_SFT (nats per answer)", fontsize=9)
-    axes[2].set_title("held-out margin: change of chosen - change of rejected", fontsize=9)
-    for ax in axes[:3]:
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=6)
-    axes[1].legend(fontsize=7)
-    axes[2].legend(fontsize=7)
-    ax, kinds = axes[3], list(data["by_kind"]["sft"])
-    for i, name in enumerate(data["runs"]):
-        deltas = [data["by_kind"][name][k][0] - data["by_kind"]["sft"][k][0] for k in kinds]
-        ax.bar([j + 0.4 * i for j in range(len(kinds))], deltas, width=0.4, color="C0" if name == "sigmoid" else "C3",
-               label=f"{LABELS[name]}: pass@1 {data['runs'][name]['start/pass@1']:.3f} -> {data['runs'][name]['pass@1']:.3f}")
-    ax.axhline(0, color="k", lw=0.5)
-    ax.set_xticks([j + 0.2 for j in range(len(kinds))], kinds)
-    ax.set_title("held-out chosen answers by kind, at the end: log p - log p_SFT", fontsize=9)
-    ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    return fig
+                       for s in range(0, len(examples), 64)]).view(-1, 2)
+    split = []
+    for (x, y_chosen), (_, y_rejected), _ in items:
+        i = next(i for i, (a, b) in enumerate(zip(y_chosen, y_rejected)) if a != b)  # the first target that differs
+        probs = torch.softmax(model(torch.tensor([x[:i + 1]]))[0, -1].float(), -1)
+        p_chosen = float(probs[y_chosen[i]]) if y_chosen[i] != IGNORE else 0.0
+        p_rejected = float(probs[y_rejected[i]]) if y_rejected[i] != IGNORE else 0.0
+        split.append({"chosen": p_chosen, "rejected": p_rejected, "other": 1 - p_chosen - p_rejected})
+    return {"chosen": logps[:, 0].tolist(), "rejected": logps[:, 1].tolist(), "at_split": split}
 
 
 def main():
-    args = parser("dpo_likelihood", "DPO's chosen likelihood against RPO's, from the SFT run").parse_args()
+    p = parser("dpo_likelihood", __doc__.strip().split("\n\n")[0])
+    lmkit.add_seed_flag(p)
+    args = p.parse_args()
     lab = Lab("dpo_likelihood", args)
     sft = checkpoint(args.home, "sft")
-    size = SMOKE if args.smoke else ["--steps", STEPS, "--eval-every", EVAL_EVERY, "--tools"]
-    num_val = 8 if args.smoke else NUM_VAL
-    data = {"init": "sft/default", "beta": BETA, "steps": 3 if args.smoke else STEPS, "runs": {}, "by_kind": {}}
+    size = SMOKE if args.smoke else dict(steps=STEPS, eval_every=EVAL_EVERY, train_pairs=TRAIN_PAIRS,
+                                         val_pairs=VAL_PAIRS)
+    seeds = lmkit.seeds(args)
     tok = Tokenizer.load(resolve_model_path(sft))
-    items, _ = pair_items(tok, preference_pairs("test", num_val, seed=0), MAX_LEN)  # chat_dpo.py's held-out pairs
-    data["by_kind"]["sft"] = logps_by_kind(sft, tok, items)
-    for name, flags in CONFIGS.items():
-        run = lab.run("chat_dpo.py", "--init", sft, *flags, "--beta", BETA, *size, stage="dpo",
-                      run_name=f"lab-dpo_likelihood-{name}")
-        ev = lab.eval_json(run)
-        data["runs"][name] = {**curves(lab.metrics(run)), "seconds": lab.commands[-1]["seconds"],
-                              **{k: ev.get(k) for k in ("pass@1", "start/pass@1", "pass@1_change", "pass@1_change_se",
-                                                        "tool_use_rate", "start/tool_use_rate", "pair_accuracy",
-                                                        "accuracy/wrong_step", "logps/chosen",
-                                                        "logps/rejected", "rewards/chosen", "rewards/rejected")}}
-        data["by_kind"][name] = logps_by_kind(run, tok, items)
-    lab.save(data, draw(data))
+    data, val_items = {}, {}
+    for kind in KINDS:
+        data[kind] = [lmkit.write_rows(pairs_of(kind, split, n), os.path.join(args.home, "data", f"lab-dpo_likelihood-"
+                                                                              f"{kind}-{split}.jsonl"))
+                      for split, n in (("train", size["train_pairs"]), ("test", size["val_pairs"]))]
+        val_items[kind] = pair_items(tok, pairs_of(kind, "test", size["val_pairs"]), MAX_LEN)[0]
+    sim = {kind: [similarity(completion(c), completion(r)) for c, r, _ in items] for kind, items in val_items.items()}
+    start = {kind: scored(sft, tok, items) for kind, items in val_items.items()}
+
+    runs = {kind: [] for kind in KINDS}
+    for kind in KINDS:
+        for seed in seeds:
+            run = lab.run("chat_dpo.py", "--init", sft, "--data", data[kind][0], "--eval-data", data[kind][1], "--seed",
+                          seed, "--beta", BETA, "--steps", size["steps"], "--eval-every", size["eval_every"],
+                          *(SMOKE_FLAGS if args.smoke else []), stage="dpo",
+                          run_name=f"lab-dpo_likelihood-{kind}-s{seed}")
+            rows = [r for r in lab.metrics(run) if "val/rewards/chosen" in r]
+            end = scored(run, tok, val_items[kind])
+            runs[kind].append({
+                "seed": seed, "run": run, "eval_step": [0] + [r["step"] for r in rows],
+                # the held-out means the stage logs, as changes from the reference (rewards / beta), nats per answer
+                "val_delta_chosen": [0.0] + [r["val/rewards/chosen"] / BETA for r in rows],
+                "val_delta_rejected": [0.0] + [r["val/rewards/rejected"] / BETA for r in rows],
+                "val_pair_accuracy": [r["val/pair_accuracy"] for r in rows],
+                "delta_chosen": [a - b for a, b in zip(end["chosen"], start[kind]["chosen"])],
+                "delta_rejected": [a - b for a, b in zip(end["rejected"], start[kind]["rejected"])],
+                "at_split": {side: lmkit.mean([s[side] for s in end["at_split"]]) for side in ("chosen", "rejected",
+                                                                                               "other")}})
+            r = runs[kind][-1]
+            print(f"[dpo_likelihood] {kind} seed {seed}: chosen {lmkit.mean(r['delta_chosen']):+.3f} nats, rejected "
+                  f"{lmkit.mean(r['delta_rejected']):+.3f}; at the split {r['at_split']}", flush=True)
+
+    summary = {}
+    for kind in KINDS:
+        chosen = lmkit.seed_mean([r["delta_chosen"] for r in runs[kind]])  # per pair, seed-averaged
+        summary[kind] = {"similarity": lmkit.mean(sim[kind]), "delta_chosen": lmkit.mean_se(chosen),
+                         "delta_chosen_seeds": lmkit.spread([lmkit.mean(r["delta_chosen"]) for r in runs[kind]]),
+                         "delta_rejected": lmkit.mean_se(lmkit.seed_mean([r["delta_rejected"] for r in runs[kind]])),
+                         "pair_accuracy_end": lmkit.spread([r["val_pair_accuracy"][-1] for r in runs[kind]]),
+                         "fell": lmkit.mean([d < 0 for d in chosen]),
+                         "at_split_start": {side: lmkit.mean([s[side] for s in start[kind]["at_split"]])
+                                            for side in ("chosen", "rejected", "other")},
+                         "at_split_end": {side: lmkit.spread([r["at_split"][side] for r in runs[kind]])
+                                          for side in ("chosen", "rejected", "other")}}
+    # the scatter's trend: the chosen change against the similarity over every held-out pair of every kind
+    xs = [s for kind in KINDS for s in sim[kind]]
+    ys = [d for kind in KINDS for d in lmkit.seed_mean([r["delta_chosen"] for r in runs[kind]])]
+    mx, my = lmkit.mean(xs), lmkit.mean(ys)
+    sxx, sxy = sum((x - mx) ** 2 for x in xs), sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    syy = sum((y - my) ** 2 for y in ys)
+    summary["trend"] = {"slope": sxy / sxx if sxx else None,
+                        "pearson_r": sxy / (sxx * syy) ** 0.5 if sxx and syy else None,
+                        "pairs": len(xs)}
+
+    fig, axes = figure(1, 3, layout="constrained")
+    for i, kind in enumerate(KINDS):
+        lmkit.draw_band(axes[0], runs[kind][0]["eval_step"], [r["val_delta_chosen"] for r in runs[kind]],
+                        color=f"C{i}", label=kind)
+        axes[1].scatter(sim[kind], lmkit.seed_mean([r["delta_chosen"] for r in runs[kind]]), s=8, color=f"C{i}",
+                        alpha=0.6, label=kind)
+    axes[0].axhline(0, color="k", lw=0.5)
+    axes[0].set(title="held-out chosen answers", xlabel="DPO step", ylabel="log p - log p_SFT (nats per answer)")
+    axes[1].axhline(0, color="k", lw=0.5)
+    axes[1].set(title="each held-out pair at the end (seed mean)",
+                xlabel="similarity: 1 - token edit distance / length",
+                ylabel="chosen: log p - log p_SFT (nats)")
+    sides, width = ("chosen", "rejected", "other"), 0.2
+    for j, side in enumerate(sides):  # at the first token where the two answers part: before (hatched) and after
+        before = [summary[k]["at_split_start"][side] for k in KINDS]
+        after = [summary[k]["at_split_end"][side]["mean"] for k in KINDS]
+        xs_ = [i + (j - 1) * width for i in range(len(KINDS))]
+        axes[2].bar(xs_, before, width=width * 0.9, color=f"C{j + 4}", alpha=0.35, hatch="//")
+        axes[2].scatter(xs_, after, color=f"C{j + 4}", marker="_", s=200, linewidths=3, label=f"{side} token")
+    axes[2].set_xticks(range(len(KINDS)), KINDS, fontsize=7)
+    axes[2].set(title="where the answers part: bar SFT, dash the end", ylabel="probability", xlabel="kind of pair")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    lab.save({"question": "Does DPO lower the chosen answers' likelihood, most for the most similar pairs, and where "
+                          "does "
+                          "the probability go?", "init": "sft/default", "beta": BETA, "seeds": seeds, **size,
+              "kinds": list(KINDS), "summary": summary, "similarity": sim,
+              "start": {k: {"chosen": v["chosen"], "rejected": v["rejected"]} for k, v in start.items()},
+              "runs": runs}, fig)
 
 
 if __name__ == "__main__":

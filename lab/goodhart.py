@@ -1,159 +1,211 @@
 """
-Over-optimization, Goodhart's law (Gao, Schulman and Hilton 2022, "Scaling Laws for Reward Model
-Overoptimization", https://arxiv.org/abs/2210.10760): push a policy against a learned reward model and the
-proxy (the RM's score) keeps climbing, while the gold (what the RM stands for) first rises, then stalls or
-falls. The paper plots both against sqrt(KL(policy || start)); a KL penalty (the leash) slows the walk.
+Over-optimization, Goodhart's law (Gao, Schulman and Hilton 2022, "Scaling Laws for Reward Model Overoptimization",
+https://arxiv.org/abs/2210.10760): optimize against a learned reward model and the proxy (its score) keeps climbing,
+while the gold (what it stands for) rises, then falls. The paper plots both against d = sqrt(KL(policy || start)),
+for best-of-n sampling (KL_bon = log n - (n - 1) / n) and for RL, where a KL penalty (the leash) acts like stopping
+early. Here the gold is the verifier, exact on the embedded world.
 
-Here the gold is the verifier, which is ground truth on the embedded world. GRPO (chat_rl.py) from the
-pipeline's SFT run, rewarded by its reward model alone: --reward rm:RM+0*verifier (a term of weight 0 is
-graded and logged, never rewarded), so the proxy (reward/rm:RM) and the gold (reward/verifier) are measured on
-the same answers each step, and at the evaluations on held-out answers too (eval/reward/...). Every run logs
-kl_to_start, the KL to the start summed over each answer's tokens and averaged over answers, as the paper's
-x-axis. Three leashes: --kl-beta 0, 0.04 (the GRPO paper's) and 0.4; and a weaker proxy, the same recipe on an
-eighth of the pairs (WEAK_PAIRS), unleashed.
+The proxy is a reward model trained on the policy's own answers, labelled by the verifier, so that near the start it
+agrees with the gold where the policy samples (an RM trained on other answers may rank the policy's own backwards:
+docs/lab/goodhart.md). Per seed, from runs/cpu.sh's SFT run, without the calculator (answers written out in words):
+  1. chat_sample.py --samples 8 --pairs-out on PAIR_PROMPTS training problems: per problem a right answer against a
+     wrong one, where the verifier told them apart;
+  2. chat_rm.py --data on those pairs, from the SFT run (the pipeline's RM recipe), 1 epoch;
+  3. best-of-n: BON_SAMPLES answers at T=1 to each of BON_PROBLEMS held-out problems (the same for every seed), graded
+     by the RM and the verifier; for n = 1, 2, 4, ..., BON_SAMPLES the expected gold and proxy of the answer the RM
+     ranks first among n, computed exactly over the subsets of the samples (Gao et al.'s unbiased estimator), with a
+     bootstrap interval over the problems;
+  4. GRPO against the RM alone (--reward rm:RM+0*verifier: the verifier graded at weight 0, logged, never rewarded)
+     at each --kl-beta of LEASHES, --log-kl-to-start, STEPS steps of 16 prompts x 8 answers on 2 ranks.
 
-Without --tools: the RM was trained on answers written out in words (chat_rm.py's pairs), never on a
-calculator call or its result, so with the calculator the gold could fall for that reason alone.
-
-    python lab/goodhart.py --home /work/runs_out/base0     # ~20 min on 2 cores; docs/lab/goodhart.{json,png}
-    python lab/goodhart.py --smoke                          # tiny sizes, what tests/test_lab_goodhart.py runs
-
-Then, what the policy learned: one answer to each of EXPLOIT_PROBLEMS held-out problems from the start and from
-each unleashed run's end, each with the RM's score and the verifier's verdict.
+    python lab/goodhart.py                   # from runs/cpu.sh's checkpoints in ./out/cpu; docs/lab/goodhart.{json,png}
+    python lab/goodhart.py --home /tmp/np    # another pipeline's $NANOPOST_HOME
+    python lab/goodhart.py --smoke           # tiny sizes (tests/test_lab_goodhart.py)
 """
+import math
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
+import torch
 
-from checkpoint import load_hf, resolve_model_path  # noqa: E402
-from data import rl_rows  # noqa: E402
-from engine import Engine  # noqa: E402
-from labkit import Lab, checkpoint, figure, moving_average, parser  # noqa: E402
-from rewards import Grader  # noqa: E402
-from verifiers import answer_text  # noqa: E402
-from rollout import sample  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+import lmkit  # (puts the repository on the path)
+from checkpoint import load_hf, resolve_model_path
+from engine import Engine
+from labkit import Lab, checkpoint, figure, moving_average, parser
+from rewards import Grader
+from rollout import sample
+from tokenizer import Tokenizer
+from verifiers import answer_text
 
 LEASHES = (0.0, 0.04, 0.4)  # --kl-beta: none, the GRPO paper's, ten times it
-WEAK_PAIRS = 1500  # the weaker proxy: an RM trained on an eighth of the pipeline's 12,000 pairs
-EXPLOIT_PROBLEMS = 64
-
-p = parser("goodhart", __doc__.split("\n\n")[0])
-p.add_argument("--steps", type=int, default=None, help="RL steps per run (default: 40; smoke: 2)")
-args = p.parse_args()
-lab = Lab("goodhart", args)
-sft, rm = checkpoint(args.home, "sft"), checkpoint(args.home, "rm")
-if args.smoke:  # the tiny home of tests/conftest.py: seconds
-    steps, nproc, max_new_tokens, exploit_problems, weak_pairs = args.steps or 2, 1, 24, 4, 16
-    size = ["--prompts-per-step", "4", "--group-size", "4", "--eval-problems", "4", "--eval-every", "1",
-            "--num-prompts", "64"]
-else:  # half the pipeline's prompts per step (32 x 8 answers), on 2 ranks as runs/cpu.sh runs RL
-    steps, nproc, max_new_tokens, exploit_problems, weak_pairs = args.steps or 40, 2, 192, EXPLOIT_PROBLEMS, WEAK_PAIRS
-    size = ["--prompts-per-step", "32", "--group-size", "8", "--eval-problems", "100", "--eval-every", "10"]
-size += ["--max-new-tokens", max_new_tokens]
-GOLD = "reward/verifier"
+PAIR_PROMPTS, BON_PROBLEMS, BON_SAMPLES, STEPS, EVAL_EVERY, MAX_NEW_TOKENS, EXAMPLES = 1500, 100, 64, 30, 10, 192, 3
+SMOKE = dict(pair_prompts=16, bon_problems=6, bon_samples=8, steps=2, eval_every=1, max_new_tokens=24, prompts=4,
+             group=4)
 
 
-def rl_against(proxy, beta, run_name):
-    """One RL run rewarded by the RM at `proxy` alone, at --kl-beta beta, the verifier logged beside it at weight 0:
-    per step the proxy, the gold and sqrt(kl_to_start) on the training answers; at each evaluation the same on
-    held-out answers (one per problem at T=1), and greedy pass@1."""
-    path = lab.run("chat_rl.py", "--init", sft, "--reward", f"rm:{proxy}+0*verifier", "--kl-beta", beta, "--log-kl-to-start",
-                   "--steps", steps, "--pass-k", "0", "--save-every", steps, *size, stage="rl", run_name=run_name,
-                   nproc=nproc)
-    rows = lab.metrics(path)
-    train = [r for r in rows if "reward" in r]
-    kl_of = {r["step"]: r["kl_to_start"] for r in train}
-    # the weights evaluated at step s are the ones that sampled step s + 1: that step's KL is theirs (the last
-    # evaluation's weights sampled nothing; it is placed at the last step's KL, one update earlier)
-    heldout = [{"step": r["step"], "sqrt_kl": 0.0 if r["step"] == 0 else kl_of.get(r["step"] + 1, train[-1]["kl_to_start"]) ** 0.5,
-                "proxy": r[f"eval/reward/rm:{proxy}"], "gold": r[f"eval/{GOLD}"], "pass@1": r["eval/pass@1"]}
-               for r in rows if f"eval/{GOLD}" in r]
-    return {"kl_beta": beta, "proxy": proxy, "run": path,
-            "steps": [{"step": r["step"], "sqrt_kl": r["kl_to_start"] ** 0.5, "proxy": r[f"reward/rm:{proxy}"],
-                       "gold": r[GOLD], "length": r["length_mean"]} for r in train],
-            "heldout": heldout}
+def kl_bon(n: int) -> float:
+    """KL(best-of-n || start) = log n - (n - 1) / n (Stiennon et al. 2020; Gao et al. 2022). n = 1: 0; n = 64: 3.17."""
+    return math.log(n) - (n - 1) / n
 
 
-def summary(run):
-    """The figures the page quotes: where the held-out gold peaked, and where each ended."""
-    h = run["heldout"]
-    peak = max(h, key=lambda e: e["gold"])
-    return {"gold_start": h[0]["gold"], "gold_peak": peak["gold"], "gold_peak_step": peak["step"],
-            "gold_peak_sqrt_kl": peak["sqrt_kl"], "gold_end": h[-1]["gold"], "proxy_start": h[0]["proxy"],
-            "proxy_end": h[-1]["proxy"], "sqrt_kl_end": run["steps"][-1]["sqrt_kl"], "pass@1_start": h[0]["pass@1"],
-            "pass@1_end": h[-1]["pass@1"]}
+def best_of(proxy: list, gold: list, n: int) -> tuple:
+    """The expected (gold, proxy) of the answer with the highest proxy among n drawn without replacement from these N
+    samples, exactly: sorted by proxy, the i-th smallest (1-based) is the best of a random n-subset with probability
+    C(i - 1, n - 1) / C(N, n) (Gao et al. 2022's unbiased estimator; ties broken by sampling order).
+    Example: proxy [0.1, 0.9, 0.5], gold [1, 0, 1], n 2: the best of {1,2} or {2,3} is the 0.9 (gold 0), of {1,3} the
+    0.5 (gold 1): gold 1/3, proxy (0.9 + 0.9 + 0.5) / 3 = 0.7667."""
+    N = len(proxy)
+    order = sorted(range(N), key=lambda i: (proxy[i], -i))
+    weights = [math.comb(rank, n - 1) / math.comb(N, n) for rank in range(N)]  # rank = i - 1
+    return (sum(w * gold[j] for w, j in zip(weights, order)), sum(w * proxy[j] for w, j in zip(weights, order)))
 
 
 @torch.no_grad()
-def answers_of(model_dir, rows, grader, proxy):
-    """One answer at T=1 to each row from a checkpoint, with the RM's score and the verifier's verdict."""
-    tok = Tokenizer.load(model_dir)
-    r = sample(Engine(load_hf(model_dir), tok), rows, grader, samples_per_prompt=1, max_new_tokens=max_new_tokens,
-               seed=1234)
-    return [{"question": row["prompt"][0]["content"], "truth": row["ground_truth"],
-             "answer": answer_text(tok.decode(c.tokens)), "tokens": len(c.tokens), "rm": round(float(score), 3),
-             "verifier": float(ok)}
-            for row, c, score, ok in zip(rows, r.completions, r.reward_parts[f"rm:{proxy}"], r.reward_parts["verifier"])]
+def answers(sft, rm, rows, *, samples, max_new_tokens, seed):
+    """`samples` answers at T=1 to each row from the SFT model, each with the RM's score and the verifier's verdict."""
+    folder = resolve_model_path(sft)
+    tok = Tokenizer.load(folder)
+    engine, grader = Engine(load_hf(folder), tok), Grader(f"rm:{rm}+0*verifier", tok)
+    out = []
+    for i in range(0, len(rows), 8):  # 8 problems x `samples` answers an engine call
+        r = sample(engine, rows[i:i + 8], grader, samples_per_prompt=samples,
+                   max_new_tokens=max_new_tokens, seed=seed + i)
+        proxy, gold = r.reward_parts[f"rm:{rm}"].tolist(), r.reward_parts["verifier"].tolist()
+        for j, row in enumerate(rows[i:i + 8]):
+            span = slice(j * samples, (j + 1) * samples)
+            out.append({"question": row["prompt"][0]["content"], "truth": row["ground_truth"], "proxy": proxy[span],
+                        "gold": gold[span], "texts": [answer_text(tok.decode(c.tokens)) for c in r.completions[span]]})
+    return out
 
 
-def exploits(run):
-    """The start's and an unleashed run's answers to the same held-out problems, graded by that run's RM and the
-    verifier, and the run's answers the RM likes best among those the verifier fails (what the policy learned
-    to exploit), each beside the start's answer to the same problem."""
-    _, rows = rl_rows(None, None, eval_problems=exploit_problems, num_prompts=1, seed=7)  # seed 7: not the runs' eval
-    grader = Grader(f"rm:{run['proxy']}+0*verifier", Tokenizer.load(resolve_model_path(sft)))
-    before = answers_of(resolve_model_path(sft), rows, grader, run["proxy"])
-    after = answers_of(resolve_model_path(run["run"]), rows, grader, run["proxy"])
-    mean = lambda xs, k: round(sum(x[k] for x in xs) / max(1, len(xs)), 3)  # noqa: E731
-    fooled = sorted((i for i, a in enumerate(after) if a["verifier"] == 0), key=lambda i: -after[i]["rm"])[:4]
-    return {"problems": len(rows), "start": {k: mean(before, k) for k in ("rm", "verifier", "tokens")},
-            "end": {k: mean(after, k) for k in ("rm", "verifier", "tokens")},
-            # does the RM tell right from wrong among the policy's own answers, at the start and at the end?
-            "start_rm_of_right": mean([a for a in before if a["verifier"] == 1], "rm"),
-            "start_rm_of_wrong": mean([a for a in before if a["verifier"] == 0], "rm"),
-            "end_rm_of_right": mean([a for a in after if a["verifier"] == 1], "rm"),
-            "end_rm_of_wrong": mean([a for a in after if a["verifier"] == 0], "rm"),
-            "examples": [{"end": after[i], "start": before[i]} for i in fooled]}
+def main():
+    p = parser("goodhart", __doc__.strip().split("\n\n")[0])
+    lmkit.add_seed_flag(p)
+    args = p.parse_args()
+    lab = Lab("goodhart", args)
+    sft = checkpoint(args.home, "sft")
+    size = SMOKE if args.smoke else dict(pair_prompts=PAIR_PROMPTS, bon_problems=BON_PROBLEMS, bon_samples=BON_SAMPLES,
+                                         steps=STEPS, eval_every=EVAL_EVERY, max_new_tokens=MAX_NEW_TOKENS, prompts=16,
+                                         group=8)
+    nproc, seeds = 1 if args.smoke else 2, lmkit.seeds(args)
+    # the smoke home's tiny model gets nothing right, so the verifier cannot tell its answers apart: its pairs are
+    # labelled by the pipeline's RM instead (the plumbing, not the method)
+    label = f"rm:{checkpoint(args.home, 'rm')}" if args.smoke else "verifier"
+    rows = lmkit.heldout(size["bon_problems"])
+    data_file = lmkit.write_rows(rows, os.path.join(args.home, "data", "lab-goodhart-heldout.jsonl"))
+    ns = [2 ** i for i in range(int(math.log2(size["bon_samples"])) + 1)]
+
+    seeds_data = []
+    for seed in seeds:
+        pairs = os.path.join(args.home, "data", f"lab-goodhart-pairs-s{seed}.jsonl")
+        lab.command("chat_sample.py", "--init", sft, "--num-prompts", size["pair_prompts"], "--samples", 8,
+                    "--reward", label, "--max-new-tokens", size["max_new_tokens"], "--seed", seed,
+                    "--pairs-out", pairs, nproc=nproc)
+        with open(pairs) as f:
+            n_pairs = sum(1 for line in f if line.strip())
+        rm = lab.run("chat_rm.py", "--init", sft, "--data", pairs, "--seed", seed,
+                     *(["--steps", "3", "--batch-size", "4"] if args.smoke else []), stage="rm",
+                     run_name=f"lab-goodhart-rm-s{seed}")
+        bon = answers(sft, rm, rows, samples=size["bon_samples"], max_new_tokens=size["max_new_tokens"],
+                      seed=3000 + seed)
+        curves = {"gold": [], "proxy": [], "gold_interval": [], "per_problem_gold": []}
+        for n in ns:
+            per = [best_of(a["proxy"], a["gold"], n) for a in bon]
+            gold = [g for g, _ in per]
+            curves["gold"].append(lmkit.mean(gold))
+            curves["proxy"].append(lmkit.mean([x for _, x in per]))
+            curves["gold_interval"].append(lmkit.bootstrap(gold, seed=seed))
+            curves["per_problem_gold"].append(gold)
+        # the RM's favourite answers that the verifier fails: what best-of-n over-optimizes onto
+        fooled = sorted((a for a in bon if a["gold"][max(range(len(a["proxy"])), key=a["proxy"].__getitem__)] == 0),
+                        key=lambda a: -max(a["proxy"]))[:EXAMPLES]
+        examples = [{"question": a["question"], "truth": a["truth"], "rm": max(a["proxy"]),
+                     "answer": a["texts"][max(range(len(a["proxy"])), key=a["proxy"].__getitem__)]} for a in fooled]
+        # the RM's AUC on the start's own answers, within a problem (what best-of-n asks of it): the chance it scores
+        # a right answer above a wrong one to the same question, over the problems that have both
+        aucs = [lmkit.mean([float(x > y) + 0.5 * float(x == y) for x, g in zip(a["proxy"], a["gold"]) if g == 1
+                            for y, h in zip(a["proxy"], a["gold"]) if h == 0])
+                for a in bon if 0 < sum(a["gold"]) < len(a["gold"])]
+        auc = lmkit.mean(aucs) if aucs else None
+        rl = {}
+        for beta in LEASHES:
+            run = lab.run("chat_rl.py", "--init", sft, "--reward", f"rm:{rm}+0*verifier", "--kl-beta", beta,
+                          "--log-kl-to-start", "--seed", seed, "--steps", size["steps"], "--prompts-per-step",
+                          size["prompts"], "--group-size", size["group"], "--max-new-tokens", size["max_new_tokens"],
+                          "--eval-data", data_file, "--eval-problems", size["bon_problems"], "--eval-every",
+                          size["eval_every"], "--pass-k", 0, "--save-every", 100000, stage="rl",
+                          run_name=f"lab-goodhart-beta{beta:g}-s{seed}", nproc=nproc)
+            rows_ = lab.metrics(run)
+            train = [r for r in rows_ if "reward" in r]
+            kl_of = {r["step"]: r["kl_to_start"] for r in train}
+            rl[f"beta={beta:g}"] = {
+                "step": [r["step"] for r in train], "sqrt_kl": [r["kl_to_start"] ** 0.5 for r in train],
+                "proxy": [r[f"reward/rm:{rm}"] for r in train], "gold": [r["reward/verifier"] for r in train],
+                # held out: the weights evaluated at step s sampled step s + 1, whose KL is theirs (the last, one
+                # update past the last step's, is placed at it)
+                "heldout": [{"step": r["step"], "proxy": r[f"eval/reward/rm:{rm}"], "gold": r["eval/reward/verifier"],
+                             "sqrt_kl": kl_of.get(r["step"] + 1, train[-1]["kl_to_start"]) ** 0.5 if r["step"] else 0.0}
+                            for r in rows_ if "eval/reward/verifier" in r]}
+        seeds_data.append({"seed": seed, "pairs": n_pairs, "rm": rm, "rm_auc": auc, "bon": curves, "examples": examples,
+                           "rl": rl, "rm_eval": lab.eval_json(rm)})
+        print(f"[goodhart] seed {seed}: {n_pairs} pairs, RM AUC on the start's answers {auc}; best-of-n gold "
+              + " ".join(f"{n}:{g:.3f}" for n, g in zip(ns, curves["gold"])), flush=True)
+
+    # best-of-n over seeds: per n the gold, problem by problem, seed-averaged; its peak against n = 1 and the largest n
+    per_problem = [lmkit.seed_mean([s["bon"]["per_problem_gold"][i] for s in seeds_data]) for i in range(len(ns))]
+    golds = [lmkit.mean(g) for g in per_problem]
+    peak = max(range(len(ns)), key=golds.__getitem__)
+    summary = {"bon": {"n": ns, "sqrt_kl": [kl_bon(n) ** 0.5 for n in ns], "gold": golds,
+                       "gold_interval": [lmkit.bootstrap(g) for g in per_problem],
+                       "proxy": [lmkit.mean([s["bon"]["proxy"][i] for s in seeds_data]) for i in range(len(ns))],
+                       "peak_n": ns[peak], "peak_gold": golds[peak], "peak_sqrt_kl": kl_bon(ns[peak]) ** 0.5,
+                       "peak_minus_n1": lmkit.paired(per_problem[0], per_problem[peak]),
+                       "last_minus_peak": lmkit.paired(per_problem[peak], per_problem[-1])},
+               "rm_auc": lmkit.spread([s["rm_auc"] for s in seeds_data]),
+               "pairs": lmkit.spread([s["pairs"] for s in seeds_data])}
+    tail = max(1, size["steps"] // 5)
+    for name in seeds_data[0]["rl"]:
+        runs = [s["rl"][name] for s in seeds_data]
+        golds_ = [[h["gold"] for h in r["heldout"]] for r in runs]
+        summary[name] = {"heldout_gold_start": lmkit.spread([g[0] for g in golds_]),
+                         "heldout_gold_peak": lmkit.spread([max(g) for g in golds_]),
+                         "heldout_gold_end": lmkit.spread([g[-1] for g in golds_]),
+                         "heldout_proxy_end": lmkit.spread([r["heldout"][-1]["proxy"] for r in runs]),
+                         "sqrt_kl_end": lmkit.spread([r["sqrt_kl"][-1] for r in runs]),
+                         "train_gold_first": lmkit.spread([lmkit.mean(r["gold"][:tail]) for r in runs]),
+                         "train_gold_last": lmkit.spread([lmkit.mean(r["gold"][-tail:]) for r in runs]),
+                         "train_proxy_first": lmkit.spread([lmkit.mean(r["proxy"][:tail]) for r in runs]),
+                         "train_proxy_last": lmkit.spread([lmkit.mean(r["proxy"][-tail:]) for r in runs])}
+
+    fig, axes = figure(2, 2, layout="constrained")
+    x = summary["bon"]["sqrt_kl"]
+    lo, hi = zip(*summary["bon"]["gold_interval"])
+    axes[0].fill_between(x, lo, hi, color="C2", alpha=0.2, lw=0)
+    axes[0].plot(x, golds, "o-", color="C2", label=f"gold, {len(seeds)} seeds' RMs (95% bootstrap over problems)")
+    lmkit.draw_band(axes[1], x, [s["bon"]["proxy"] for s in seeds_data], color="C1", label="proxy", marker="o")
+    for ax, what in ((axes[0], "gold: verifier accuracy"), (axes[1], "proxy: RM score")):
+        for n, xi in zip(ns, x):
+            ax.annotate(f"{n}", (xi, ax.get_ylim()[0]), fontsize=6, ha="center", va="bottom")
+        ax.set(title=f"best-of-n on {size['bon_problems']} held-out problems (n marked)", xlabel="sqrt(KL_bon), "
+               "KL_bon = log n - (n-1)/n (nats)", ylabel=what)
+    for i, name in enumerate(seeds_data[0]["rl"]):
+        runs = [s["rl"][name] for s in seeds_data]
+        x = [lmkit.mean(col) for col in zip(*[r["sqrt_kl"] for r in runs])]  # the seeds' mean distance per step
+        for ax, key in ((axes[2], "gold"), (axes[3], "proxy")):
+            lmkit.draw_band(ax, x, [moving_average(r[key]) for r in runs], color=f"C{i}", label=f"GRPO, {name}")
+    axes[2].set(title="GRPO against the RM: gold of each step's answers (5-step means)", xlabel="sqrt(KL to the start)"
+                " (nats^0.5)", ylabel="verifier accuracy")
+    axes[3].set(title="GRPO against the RM: proxy of each step's answers", xlabel="sqrt(KL to the start) (nats^0.5)",
+                ylabel="RM score")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Goodhart against an RM trained on the SFT model's own verifier-labelled answers (no calculator)",
+                 fontsize=10)
+    lab.save({"question": "Against an RM trained on the policy's own verifier-labelled answers, does the gold rise and "
+                          "then fall while the proxy climbs, for best-of-n and for RL, and does a KL leash hold it?",
+              "init": "sft/default", "tools": False, "label": label, "seeds": seeds, **size, "leashes": list(LEASHES),
+              "ranks": nproc, "summary": summary, "seeds_data": seeds_data}, fig)
 
 
-# the weaker proxy: the same recipe as the pipeline's RM (chat_rm.py's defaults), on fewer pairs
-weak_rm = lab.run("chat_rm.py", "--num-train", weak_pairs,
-                  *(["--num-val", "8", "--steps", "3", "--batch-size", "8", "--warmup-steps", "1"] if args.smoke else []),
-                  stage="rm", run_name="lab-goodhart-weak-rm")
-proxies = {"rm": {"path": rm, "pairs": "pipeline", **lab.eval_json(rm)},
-           "weak-rm": {"path": weak_rm, "pairs": weak_pairs, **lab.eval_json(weak_rm)}}
-runs = {f"beta={b:g}": rl_against(rm, b, f"lab-goodhart-beta{b:g}") for b in LEASHES}
-runs["weak-rm, beta=0"] = rl_against(weak_rm, 0.0, "lab-goodhart-weak-rm-beta0")
-samples = {name: exploits(runs[name]) for name in ("beta=0", "weak-rm, beta=0")}
-
-fig, (ax_proxy, ax_gold, ax_heldout, ax_kl) = figure(2, 2, height=4.2, layout="constrained")
-for (name, run), (color, style) in zip(runs.items(), (("C3", "-"), ("C0", "-"), ("C2", "-"), ("C3", ":"))):
-    x = [s["sqrt_kl"] for s in run["steps"]]
-    for ax, key in ((ax_proxy, "proxy"), (ax_gold, "gold")):  # each step a dot, their running mean a line
-        y = [s[key] for s in run["steps"]]
-        ax.plot(x, y, ".", color=color, alpha=0.3, markersize=4)
-        ax.plot(moving_average(x), moving_average(y), style, color=color, label=name)  # one step's answers are noisy
-    hx = [e["sqrt_kl"] for e in run["heldout"]]
-    ax_heldout.plot(hx, [e["proxy"] for e in run["heldout"]], "o" + style, color=color, label=f"{name}: proxy (RM)")
-    ax_heldout.plot(hx, [e["gold"] for e in run["heldout"]], "s--", color=color, mfc="none",
-                    label=f"{name}: gold (verifier)")
-    ax_kl.plot([s["step"] for s in run["steps"]], x, style, color=color, label=name)
-ax_proxy.set(title="proxy on the training answers (weak-rm: its own RM)", xlabel="sqrt(KL to the start)",
-             ylabel="RM score")
-ax_gold.set(title="gold on the same answers (lines: 5-step means)", xlabel="sqrt(KL to the start)",
-            ylabel="verifier accuracy")
-ax_heldout.set(title="held-out answers (T=1), at the evaluations", xlabel="sqrt(KL to the start)",
-               ylabel="RM score / accuracy")
-ax_kl.set(title="the leash: distance from the start", xlabel="step", ylabel="sqrt(KL to the start)")
-for ax in (ax_proxy, ax_gold, ax_kl):
-    ax.legend(fontsize=8)
-ax_heldout.legend(fontsize=6)
-fig.suptitle("GRPO against a reward model, from the SFT run, no calculator", fontsize=10)
-
-lab.save({"question": "Against a learned reward model, does the gold fall while the proxy climbs, and does a KL "
-                      "penalty delay it?", "tools": False, "start": "sft/default", "reward": "rm:RM+0*verifier",
-          "steps": steps, "leashes": list(LEASHES), "proxies": proxies,
-          "summary": {name: summary(run) for name, run in runs.items()}, "runs": runs, "exploits": samples}, fig)
+if __name__ == "__main__":
+    main()

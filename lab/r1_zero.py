@@ -1,119 +1,139 @@
 """
-RL from the base, no SFT (DeepSeek-R1-Zero, DeepSeek-AI 2025, https://arxiv.org/abs/2501.12948): GRPO straight
-on a pretrained base with a rule-based reward, accuracy plus format, against the usual cold start (SFT, then
-the same GRPO). R1-Zero's reasoning format and its long answers emerged from RL alone.
+RL from the base, no SFT (DeepSeek-R1-Zero, DeepSeek-AI 2025, https://arxiv.org/abs/2501.12948): GRPO straight on a
+pretrained base with a rule-based reward, accuracy plus format, against the usual cold start (SFT, then the same GRPO).
+R1-Zero's accuracy rose from the base alone, and its answers grew long.
 
-Our base (base_train.py) has read only plain documents, "question\\nsolution" ending at <|endoftext|>, never
-ChatML. So it is prompted two ways:
-- plain (chat_rl.py --prompt-format plain): "question\\n", as it read its documents. R1-Zero's template is plain
-  text too, but an instruction ("A conversation between User and Assistant. ... The reasoning process and
-  answer are enclosed within <think> </think> and <answer> </answer> tags ... User: PROMPT. Assistant:") that a
-  671B base can follow; ours carries no instruction, and the format rewarded is the "#### N" line its
-  pretraining documents end with, not tags it must learn;
-- chat: the ChatML prompt every stage uses, tokens this base never saw.
-The cold start: the pipeline's SFT run, prompted in ChatML. All three: --reward verifier+0.1*format (1 for a
-right answer, 0.1 for a final "#### N" line the verifier can read), GRPO without DAPO's dynamic sampling (as
-R1-Zero), no calculator, the same steps and seeds. Then the base (in ChatML) and the SFT run again with the
-calculator offered: the one skill RL finds on this world, and one that is in the SFT run's answers, not the base's.
+A base can only be reinforced where it is sometimes right. So the problems are chosen by the base itself: it answers
+each of SELECT_TRAIN training and SELECT_HELDOUT held-out problems SELECT_K times at T=1 (plain prompt, as it read its
+documents), and the problems it solves sometimes (1 to SELECT_K - 1 right: a group there is not flat) are kept. The
+held-out accuracy is then measured on fresh answers (other seeds), never on the answers that chose the problems:
+a problem chosen because the base got it right by luck would otherwise fall back at the next draw, and look like a
+fall (regression to the mean). Both starts without the calculator, on the same chosen problems, SEEDS seeds each:
+    base   the pipeline's base, prompted plain ("question\\n", chat_rl.py --prompt-format plain): R1-Zero
+    sft    the pipeline's SFT run, in ChatML: the cold start
+chat_rl.py --reward verifier+0.1*format (1 for a right answer, 0.1 for a final "#### N" line the verifier can read),
+--no-dynamic-sampling (R1-Zero's GRPO), 16 prompts x 8 answers a step on 2 ranks, STEPS steps. Logged each step: the
+accuracy, the format rate and the length of the step's answers; every EVAL_EVERY steps one answer at T=1 to each
+chosen held-out problem (--eval-data). At the start and the end, EVAL_K answers at T=1 to each, problem by problem.
 
-    python lab/r1_zero.py --home /work/runs_out/base0   # ~20 min on 2 cores; docs/lab/r1_zero.{json,png}
-    python lab/r1_zero.py --smoke                        # tiny sizes, what tests/test_lab_r1_zero.py runs
+    python lab/r1_zero.py                   # from runs/cpu.sh's checkpoints in ./out/cpu; docs/lab/r1_zero.{json,png}
+    python lab/r1_zero.py --home /tmp/np    # another pipeline's $NANOPOST_HOME
+    python lab/r1_zero.py --smoke           # tiny sizes (tests/test_lab_r1_zero.py)
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from checkpoint import load_hf, resolve_model_path  # noqa: E402
-from data import rl_rows  # noqa: E402
-from engine import Engine  # noqa: E402
-from labkit import Lab, checkpoint, figure, parser  # noqa: E402
-from rewards import Grader  # noqa: E402
-from rollout import sample  # noqa: E402
-from tasks import CALCULATOR_SCHEMA, TOOLS  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+import lmkit  # (puts the repository on the path)
+from labkit import Lab, checkpoint, figure, parser
+from tasks import rl_prompts
 
-SHOWN = 3  # held-out answers shown per run, at its start and at its end
-SUMMED = ("accuracy", "format_rate", "length", "tool_use")  # averaged over a run's first and last 5 steps
-
-p = parser("r1_zero", __doc__.split("\n\n")[0])
-p.add_argument("--steps", type=int, default=None, help="RL steps per start without the calculator (default: 40; smoke: 2)")
-p.add_argument("--tool-steps", type=int, default=20, help="RL steps per start with the calculator (slower steps)")
-args = p.parse_args()
-lab = Lab("r1_zero", args)
-base, sft = checkpoint(args.home, "base"), checkpoint(args.home, "sft")
-if args.smoke:  # the tiny home of tests/conftest.py: seconds
-    steps, tool_steps, nproc, max_new_tokens = args.steps or 2, 0, 1, 24
-    size = ["--prompts-per-step", "4", "--group-size", "4", "--eval-problems", "4", "--eval-every", "1",
-            "--num-prompts", "64"]
-else:  # half the pipeline's prompts per step (32 x 8 answers), on 2 ranks as runs/cpu.sh runs RL
-    steps, tool_steps, nproc, max_new_tokens = args.steps or 40, args.tool_steps, 2, 192
-    size = ["--prompts-per-step", "32", "--group-size", "8", "--eval-problems", "100", "--eval-every", "10"]
-size += ["--max-new-tokens", max_new_tokens]
 REWARD = "verifier+0.1*format"
-STARTS = {  # name: (start, prompt format, the calculator offered, what the figure calls it)
-    "base-plain": (base, "plain", False, "base, plain prompt (R1-Zero)"),
-    "base-chat": (base, "chat", False, "base, ChatML prompt"),
-    "sft": (sft, "chat", False, "SFT, then GRPO (cold start)"),
-    # the one change of setting: offer the calculator, the one skill RL finds on this world (docs/rl.md), to both
-    # starts (ChatML: a plain document has no tools); the tiny smoke vocabulary cannot hold its tools block
-    "base-chat-tools": (base, "chat", True, "base, ChatML, calculator"),
-    "sft-tools": (sft, "chat", True, "SFT, then GRPO, calculator"),
-}
-if args.smoke:
-    STARTS = {name: start for name, start in STARTS.items() if not start[2]}
+STARTS = {"base": ("base", "plain", "base, plain prompt (R1-Zero)"), "sft": ("sft", "chat", "SFT, then GRPO")}
+SELECT_TRAIN, SELECT_HELDOUT, SELECT_K, STEPS, EVAL_EVERY, EVAL_K, MAX_NEW_TOKENS = 800, 400, 8, 40, 10, 8, 192
+SMOKE = dict(select_train=16, select_heldout=8, select_k=4, steps=2, eval_every=1, eval_k=2, max_new_tokens=24,
+             prompts=4, group=4)
+PER_STEP = dict(prompts=16, group=8)
 
 
-def grpo(name, init, prompt_format, tools):
-    """One GRPO run, without dynamic sampling as R1-Zero's GRPO (so each step's answers are the policy's own, not
-    the groups kept for having mixed rewards): per step the accuracy, format rate and length of the training
-    answers, and at the evaluations the held-out greedy pass@1 and the graders' scores at T=1."""
-    path = lab.run("chat_rl.py", "--init", init, "--prompt-format", prompt_format, *(["--tools"] if tools else []),
-                   "--reward", REWARD, "--no-dynamic-sampling", "--log-kl-to-start", "--steps", tool_steps if tools else steps,
-                   "--pass-k", "0", "--save-every", tool_steps if tools else steps, *size, stage="rl",
-                   run_name=f"lab-r1-zero-{name}", nproc=nproc)
-    rows = lab.metrics(path)
-    train = [{"step": r["step"], "accuracy": r["accuracy"], "format_rate": r["reward/format"], "length": r["length_mean"],
-              "truncated": r["truncated_frac"], "flat_groups": r["flat_group_frac"], "tool_use": r["tool_use_rate"],
-              "kl_to_start": r["kl_to_start"]} for r in rows if "reward" in r]
-    heldout = [{"step": r["step"], "pass@1": r["eval/pass@1"], "accuracy_t1": r["eval/reward/verifier"],
-                "format_rate_t1": r["eval/reward/format"], "stop_rate": r["eval/stop_rate"]}
-               for r in rows if "eval/pass@1" in r]
-    first, last = train[:5], train[-5:]
-    mean = lambda xs, k: sum(x[k] for x in xs) / len(xs)  # noqa: E731
-    return {"init": os.path.relpath(init, args.home), "prompt_format": prompt_format, "tools": tools, "run": path,
-            "steps": train, "heldout": heldout, "first5": {k: mean(first, k) for k in SUMMED},
-            "last5": {k: mean(last, k) for k in SUMMED},
-            "answers": {"start": answers_of(init, prompt_format, tools), "end": answers_of(path, prompt_format, tools)}}
+def chosen(home, rows, *, k, max_new_tokens, seed, smoke):
+    """The rows the base solves sometimes, judged on k answers each at T=1 (plain prompt): 1 to k - 1 right; and how
+    many of the rows had each count. The smoke home's tiny base solves none: there every row is kept."""
+    ev = lmkit.per_problem(os.path.join(home, "base", "default"), rows, samples=k, temperature=1.0,
+                           max_new_tokens=max_new_tokens, seed=seed, prompt_format="plain")
+    keep = [row for row, c in zip(rows, ev["correct"]) if smoke or 0 < c < k]
+    return keep, {str(c): ev["correct"].count(c) for c in range(k + 1)}
 
 
-def answers_of(run, prompt_format, tools):
-    """SHOWN held-out answers at T=1 from a run's latest checkpoint, with the prompt as the model saw it, graded."""
-    folder = resolve_model_path(run)
-    tok = Tokenizer.load(folder).with_prompt_format(prompt_format)
-    _, rows = rl_rows(None, None, eval_problems=SHOWN, num_prompts=1, seed=7)  # seed 7: not the runs' own
-    r = sample(Engine(load_hf(folder), tok, tools=TOOLS if tools else None), rows, Grader(REWARD, tok),
-               samples_per_prompt=1, max_new_tokens=max_new_tokens, seed=1234,
-               tool_schemas=[CALCULATOR_SCHEMA] if tools else None)
-    return [{"prompt": tok.decode(p), "answer": tok.decode(c.tokens), "reward": float(g)}
-            for p, c, g in zip(r.prompts, r.completions, r.rewards)]
+def main():
+    p = parser("r1_zero", __doc__.strip().split("\n\n")[0])
+    lmkit.add_seed_flag(p)
+    args = p.parse_args()
+    lab = Lab("r1_zero", args)
+    starts = {name: checkpoint(args.home, stage) for name, (stage, _, _) in STARTS.items()}
+    size = SMOKE if args.smoke else dict(select_train=SELECT_TRAIN, select_heldout=SELECT_HELDOUT, select_k=SELECT_K,
+                                         steps=STEPS, eval_every=EVAL_EVERY, eval_k=EVAL_K,
+                                         max_new_tokens=MAX_NEW_TOKENS, **PER_STEP)
+    nproc, seeds = 1 if args.smoke else 2, lmkit.seeds(args)
+    pick = dict(k=size["select_k"], max_new_tokens=size["max_new_tokens"], seed=12345, smoke=args.smoke)
+    train, train_counts = chosen(args.home, rl_prompts("train", size["select_train"], seed=0), **pick)
+    heldout, heldout_counts = chosen(args.home, lmkit.heldout(size["select_heldout"]), **pick)
+    data = os.path.join(args.home, "data")
+    train_file = lmkit.write_rows(train, os.path.join(data, "lab-r1_zero-train.jsonl"))
+    heldout_file = lmkit.write_rows(heldout, os.path.join(data, "lab-r1_zero-heldout.jsonl"))
+    print(f"[r1_zero] the base solves sometimes {len(train)} of {size['select_train']} training problems and "
+          f"{len(heldout)} of {size['select_heldout']} held-out ones", flush=True)
+
+    def measured(model, prompt_format, seed):  # fresh answers: seeds apart from the selection's 12345
+        ev = lmkit.per_problem(model, heldout, samples=size["eval_k"], temperature=1.0, seed=seed,
+                               max_new_tokens=size["max_new_tokens"], prompt_format=prompt_format)
+        return {k: ev[k] for k in ("score", "format_rate", "stop_rate", "mean_length")}
+
+    runs = {name: [] for name in STARTS}
+    for name, (_, prompt_format, _) in STARTS.items():
+        for seed in seeds:
+            run = lab.run("chat_rl.py", "--init", starts[name], "--prompt-format", prompt_format, "--data", train_file,
+                          "--eval-data", heldout_file, "--eval-problems", len(heldout), "--reward", REWARD,
+                          "--no-dynamic-sampling", "--seed", seed, "--steps", size["steps"], "--prompts-per-step",
+                          size["prompts"], "--group-size", size["group"], "--max-new-tokens", size["max_new_tokens"],
+                          "--eval-every", size["eval_every"], "--pass-k", 0, "--save-every", 100000, stage="rl",
+                          run_name=f"lab-r1_zero-{name}-s{seed}", nproc=nproc)
+            rows = lab.metrics(run)
+            steps = [r for r in rows if "reward" in r]
+            evals = [r for r in rows if "eval/reward/verifier" in r]
+            runs[name].append({
+                "seed": seed, "run": run, "step": [r["step"] for r in steps],
+                **{key: [r[src] for r in steps] for key, src in (
+                    ("accuracy", "accuracy"), ("format_rate", "reward/format"), ("length", "length_mean"),
+                    ("flat_groups", "flat_group_frac"))},
+                "eval_step": [r["step"] for r in evals],
+                "heldout_accuracy_t1": [r["eval/reward/verifier"] for r in evals],
+                "heldout_format_t1": [r["eval/reward/format"] for r in evals],
+                "start": measured(starts[name], prompt_format, 2000 + seed),
+                "end": measured(run, prompt_format, 2000 + seed)})
+            r = runs[name][-1]
+            print(f"[r1_zero] {name} seed {seed}: held-out accuracy {lmkit.mean(r['start']['score']):.3f} -> "
+                  f"{lmkit.mean(r['end']['score']):.3f}; step accuracy {r['accuracy'][0]:.3f} -> "
+                  f"{r['accuracy'][-1]:.3f}",
+                  flush=True)
+
+    summary = {}
+    for name in STARTS:
+        before = lmkit.seed_mean([r["start"]["score"] for r in runs[name]])
+        after = lmkit.seed_mean([r["end"]["score"] for r in runs[name]])
+        tail = max(1, size["steps"] // 5)  # the first and the last fifth of the steps, averaged, per seed
+        summary[name] = {"heldout_accuracy": {"start": lmkit.mean(before), "end": lmkit.mean(after),
+                                              "change": lmkit.paired(before, after),
+                                              "end_seeds": lmkit.spread([lmkit.mean(r["end"]["score"])
+                                                                         for r in runs[name]])},
+                         **{key: {"start": lmkit.spread([r["start"][key] for r in runs[name]]),
+                                  "end": lmkit.spread([r["end"][key] for r in runs[name]])}
+                            for key in ("format_rate", "stop_rate", "mean_length")},
+                         **{f"steps_{key}": {"first": lmkit.spread([lmkit.mean(r[key][:tail]) for r in runs[name]]),
+                                             "last": lmkit.spread([lmkit.mean(r[key][-tail:]) for r in runs[name]])}
+                            for key in ("accuracy", "format_rate", "length", "flat_groups")}}
+
+    fig, axes = figure(2, 2, layout="constrained")
+    panels = [("accuracy", "accuracy of each step's answers (T=1)", "share right"),
+              ("format_rate", "format rate of each step's answers", "share with a final '#### N'"),
+              ("length", "answer length", "tokens"), ("heldout_accuracy_t1", "held-out accuracy, one answer at T=1",
+                                                      "share right")]
+    for ax, (key, title, ylabel) in zip(axes, panels):
+        for i, (name, (_, _, label)) in enumerate(STARTS.items()):
+            x = runs[name][0]["eval_step" if key.startswith("heldout") else "step"]
+            lmkit.draw_band(ax, x, [r[key] for r in runs[name]], color=("C3", "C0")[i], label=label,
+                            marker="o" if key.startswith("heldout") else None)
+        ax.set(title=title, xlabel="RL step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"GRPO with {REWARD}, no calculator, on the {len(train)} training problems the base solves sometimes",
+                 fontsize=10)
+    lab.save({"question": "On problems the base solves sometimes, does GRPO from the base alone (accuracy and format "
+                          "rewards) raise its accuracy, as SFT-then-GRPO does?", "reward": REWARD, "tools": False,
+              "seeds": seeds, **size, "ranks": nproc,
+              "selection": {"train": {"problems": size["select_train"], "kept": len(train), "right_of_k": train_counts},
+                            "heldout": {"problems": size["select_heldout"], "kept": len(heldout),
+                                        "right_of_k": heldout_counts}},
+              "summary": summary, "runs": runs}, fig)
 
 
-runs = {name: grpo(name, init, fmt, tools) for name, (init, fmt, tools, _) in STARTS.items()}
-
-fig, axes = figure(2, 2, height=4.0, layout="constrained")
-for (name, run), color in zip(runs.items(), ("C3", "C1", "C0", "C1", "C0")):
-    label, style = STARTS[name][3], "--" if run["tools"] else "-"
-    x = [s["step"] for s in run["steps"]]
-    for ax, key in zip(axes, ("accuracy", "format_rate", "length")):
-        ax.plot(x, [s[key] for s in run["steps"]], "." + style, color=color, label=label, markersize=4)
-    axes[3].plot([h["step"] for h in run["heldout"]], [h["pass@1"] for h in run["heldout"]], "o" + style, color=color,
-                 label=label)
-for ax, (title, ylabel) in zip(axes, (("accuracy of each step's answers (T=1)", "verifier accuracy"),
-                                      ("format rate of each step's answers", "share with a final '#### N'"),
-                                      ("answer length", "tokens (tool results included)"),
-                                      ("held-out greedy pass@1", "pass@1"))):
-    ax.set(title=title, xlabel="step", ylabel=ylabel)
-    ax.legend(fontsize=6)
-fig.suptitle(f"GRPO with {REWARD} from the base and from SFT (dashed: the calculator offered)", fontsize=10)
-lab.save({"question": "Does GRPO from the base, with an accuracy-plus-format reward, get where SFT-then-GRPO gets?",
-          "reward": REWARD, "steps": steps, "tool_steps": tool_steps, "runs": runs}, fig)
+if __name__ == "__main__":
+    main()

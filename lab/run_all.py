@@ -34,6 +34,8 @@ EXPERIMENTS = {
     "clip_higher": ("model", []),
     "sampler_trainer": ("model", []),
     "staleness": ("model", []),
+    "rejection_vs_rl": ("model", []),
+    "lenient_verifier": ("model", []),
 }
 DOCS = os.path.join(REPO, "docs", "lab")
 

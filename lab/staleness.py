@@ -1,125 +1,114 @@
 """
 Stale samplers (chat_rl.py --staleness, --off-policy, --correction): what does it cost to train on answers sampled
 by the weights of k steps back, and does the sampler correction win it back? The second half of
-docs/lab/sampler_trainer.md: there the sampler differs from the trainer by its numerics, here by its age.
+docs/lab/sampler_trainer.md: there the sampler differs from the trainer by its temperature, here by its age.
 
-Seven runs of chat_rl.py from runs/cpu.sh's SFT checkpoint (sft/default), the same seed, prompts and steps, one
+Five configurations of chat_rl.py from runs/cpu.sh's SFT run, SEEDS seeds each, the same prompts and steps, one
 process each, the calculator offered as the pipeline's RL runs, 16 prompts x 8 answers a step (the pipeline: 64):
-    k0-tis, k0-none      synchronous (on-policy), --correction token-tis (the default) or none
-    k1-tis, k1-none      --staleness 1: every batch sampled by the weights one step back
-    k4-tis, k4-none      --staleness 4
-    offpolicy-tis        --off-policy: the next batch sampled in a thread, from a snapshot, while this one trains
-One table row per run: steps per minute of training; the mean reward over the run's second half; held-out pass@1
-at the end, greedy and at T=1; and the ratio statistics that explain a (non-)difference, averaged over the steps
-whose batch really was stale: logprob_mismatch (mean |log p_trainer - log p_sampler| per token), correction_mean
-(the correction's mean weight), clip_frac and ratio_mean of the updates; and how many steps ran at each staleness.
+    k0-tis          synchronous (on-policy), --correction token-tis (the default)
+    k1-tis          --staleness 1: every batch sampled by the weights one step back
+    offpolicy-tis   --off-policy: the next batch sampled in a thread, from a snapshot, while this one trains; one
+                    step behind too, the same weights, prompts and seeds as k1-tis: the same answers
+    k4-none, k4-tis --staleness 4, without and with the correction
+Per run: the mean reward over the second half of the steps; the ratio statistics averaged over the steps whose batch
+was stale: logprob_mismatch (mean |log p_trainer - log p_sampler| per token), correction_mean, clip_frac; and at the
+end greedy pass@1 on EVAL_PROBLEMS held-out problems (the same for every run), problem by problem, paired with the
+synchronous run of the same seed.
 
-    python lab/staleness.py                    # ~20 min on 2 cores; docs/lab/staleness.{json,png}
+    python lab/staleness.py                    # ~30 min on 2 cores; docs/lab/staleness.{json,png}
     python lab/staleness.py --home /tmp/np     # another pipeline's checkpoints (runs/cpu.sh under NANOPOST_HOME)
-
-It moved here from benchmarks/bench_staleness.py, which ran on a time budget (--time-budget 90); the lab runs a
-fixed number of steps, so that every machine runs the same ones (each rerun replaces the lab-staleness-* runs).
 """
 import collections
 
+import lmkit  # (puts the repository on the path)
 from labkit import Lab, checkpoint, figure, parser
 
 CONFIGS = {  # run name -> chat_rl.py flags
     "k0-tis": ["--staleness", "0", "--correction", "token-tis"],
-    "k0-none": ["--staleness", "0", "--correction", "none"],
     "k1-tis": ["--staleness", "1", "--correction", "token-tis"],
-    "k1-none": ["--staleness", "1", "--correction", "none"],
-    "k4-tis": ["--staleness", "4", "--correction", "token-tis"],
-    "k4-none": ["--staleness", "4", "--correction", "none"],
     "offpolicy-tis": ["--off-policy", "--correction", "token-tis"],
+    "k4-none": ["--staleness", "4", "--correction", "none"],
+    "k4-tis": ["--staleness", "4", "--correction", "token-tis"],
 }
-STEPS, PROMPTS, EVAL_PROBLEMS = 16, 16, 200
-SMOKE = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--num-prompts", "16",
-         "--eval-problems", "4", "--pass-k", "2", "--max-resample", "1"]  # the test home's tiny model, no calculator
-COLUMNS = ["steps", "steps_per_min", "reward_2nd_half", "pass@1", "pass@1_t1", "logprob_mismatch", "correction_mean",
-           "clip_frac", "ratio_mean"]
+STEPS, PROMPTS, EVAL_PROBLEMS, MAX_NEW_TOKENS = 16, 16, 100, 192
+SMOKE = dict(steps=3, prompts=4, group=4, eval_problems=4, max_new_tokens=24)  # the test home's tiny model
 
 
-def mean(xs):
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def summarize(rows):
-    """One row of the table from a run's metrics.jsonl rows."""
-    steps = [r for r in rows if "reward" in r]
-    evals = [r for r in rows if "eval/pass@1" in r]
+def stale_mean(steps, key):
+    """The mean of `key` over the steps whose batch was stale (over all of them in a synchronous run)."""
     stale = [r for r in steps if r["staleness"] > 0] or steps
-    last = evals[-1] if evals else {}
-    t1 = next((k for k in last if k.startswith("eval/pass@1_t")), None)
-    seconds = steps[-1]["train_seconds"] if steps else 0.0
-    return {
-        "steps": len(steps),
-        "steps_per_min": 60 * len(steps) / max(seconds, 1e-9),
-        "reward_2nd_half": mean(r["reward"] for r in steps[len(steps) // 2:]),
-        "pass@1": last.get("eval/pass@1", float("nan")),
-        "pass@1_t1": last.get(t1, float("nan")) if t1 else float("nan"),
-        "logprob_mismatch": mean(r["logprob_mismatch"] for r in stale),
-        "correction_mean": mean(r["correction_mean"] for r in stale),
-        "clip_frac": mean(r["clip_frac"] for r in stale),
-        "ratio_mean": mean(r["ratio_mean"] for r in stale),
-        "staleness": dict(sorted(collections.Counter(r["staleness"] for r in steps).items())),
-    }
-
-
-def table(summaries: dict) -> str:
-    """The markdown table docs/lab/sampler_trainer.md shows."""
-    lines = ["| run | " + " | ".join(COLUMNS) + " | staleness: steps |", "|---" * (len(COLUMNS) + 2) + "|"]
-    for name, s in summaries.items():
-        cells = [f"{s[c]}" if c == "steps" else f"{s[c]:.1f}" if c == "steps_per_min" else f"{s[c]:.4f}"
-                 if c in ("logprob_mismatch", "clip_frac") else f"{s[c]:.3f}" for c in COLUMNS]
-        hist = ", ".join(f"{k}: {v}" for k, v in s["staleness"].items())
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {hist} |")
-    return "\n".join(lines)
+    return lmkit.mean([r[key] for r in stale])
 
 
 def main():
-    args = parser("staleness", __doc__.strip().split("\n\n")[0]).parse_args()
+    p = parser("staleness", __doc__.strip().split("\n\n")[0])
+    lmkit.add_seed_flag(p)
+    args = p.parse_args()
     lab = Lab("staleness", args)
     sft = checkpoint(args.home, "sft")
-    common = ["--init", sft, "--seed", "0", "--save-every", "100000"]
-    if args.smoke:
-        common += SMOKE + ["--eval-every", "3"]
-    else:
-        common += ["--tools", "--steps", STEPS, "--prompts-per-step", PROMPTS, "--eval-problems", EVAL_PROBLEMS,
-                   "--eval-every", STEPS]
-    summaries, curves, start = {}, {}, None
-    for name, flags in CONFIGS.items():
-        rows = lab.metrics(lab.run("chat_rl.py", *common, *flags, stage="rl", run_name=f"lab-staleness-{name}"))
-        summaries[name] = {"flags": flags, **summarize(rows), "seconds": lab.commands[-1]["seconds"]}
-        steps = [r for r in rows if "reward" in r]
-        curves[name] = {key: [r[key] for r in steps] for key in ("step", "reward", "logprob_mismatch", "staleness")}
-        start = start or next(({k[5:]: v for k, v in r.items() if k.startswith("eval/")}
-                               for r in rows if r["step"] == 0), None)
-    print(table(summaries), flush=True)
+    size = SMOKE if args.smoke else dict(steps=STEPS, prompts=PROMPTS, group=8, eval_problems=EVAL_PROBLEMS,
+                                         max_new_tokens=MAX_NEW_TOKENS)
+    tools = [] if args.smoke else ["--tools"]  # the smoke home's tiny vocabulary cannot hold the tools block
+    seeds = lmkit.seeds(args)
+    rows = lmkit.heldout(size["eval_problems"])
+    runs = {name: [] for name in CONFIGS}
+    for seed in seeds:
+        for name, flags in CONFIGS.items():
+            run = lab.run("chat_rl.py", "--init", sft, "--seed", seed, *flags, *tools, "--steps", size["steps"],
+                          "--prompts-per-step", size["prompts"], "--group-size", size["group"], "--max-new-tokens",
+                          size["max_new_tokens"], "--eval-problems", 0, "--save-every", 100000, stage="rl",
+                          run_name=f"lab-staleness-{name}-s{seed}")
+            steps = [r for r in lab.metrics(run) if "reward" in r]
+            ev = lmkit.per_problem(run, rows, max_new_tokens=size["max_new_tokens"], tools=bool(tools))
+            runs[name].append({"seed": seed, **{k: [r[k] for r in steps] for k in ("step", "reward", "logprob_mismatch",
+                                                                                  "staleness", "correction_mean")},
+                               "reward_2nd_half": lmkit.mean([r["reward"] for r in steps[len(steps) // 2:]]),
+                               "stale_mean": {k: stale_mean(steps, k) for k in ("logprob_mismatch", "correction_mean",
+                                                                                "clip_frac")},
+                               "staleness_steps": dict(sorted(collections.Counter(r["staleness"]
+                                                                                  for r in steps).items())),
+                               "pass@1": ev["pass@1"], "per_problem": ev["score"],
+                               "seconds": lab.commands[-1]["seconds"]})
+            r = runs[name][-1]
+            print(f"[staleness] {name} seed {seed}: reward (2nd half) {r['reward_2nd_half']:.3f}, mismatch "
+                  f"{r['stale_mean']['logprob_mismatch']:.4f}, held-out pass@1 {r['pass@1']:.3f}", flush=True)
+    start = lmkit.per_problem(sft, rows, max_new_tokens=size["max_new_tokens"], tools=bool(tools))
+
+    reference = lmkit.seed_mean([r["per_problem"] for r in runs["k0-tis"]])
+    summary = {name: {**{k: lmkit.spread([r[k] for r in rs]) for k in ("reward_2nd_half", "pass@1")},
+                      **{k: lmkit.spread([r["stale_mean"][k] for r in rs]) for k in ("logprob_mismatch",
+                                                                                     "correction_mean", "clip_frac")},
+                      "minus_k0": lmkit.paired(reference, lmkit.seed_mean([r["per_problem"] for r in rs]))}
+               for name, rs in runs.items()}
+    summary["start_pass@1"] = start["pass@1"]
+    # --off-policy and --staleness 1 sample the same answers with the same weights: their gaps, step by step
+    summary["offpolicy_vs_k1_mismatch"] = [{"step": s, "k1": a, "offpolicy": b} for s, a, b in
+                                           zip(runs["k1-tis"][0]["step"], runs["k1-tis"][0]["logprob_mismatch"],
+                                               runs["offpolicy-tis"][0]["logprob_mismatch"])][:3]
+    summary["k4_tis_minus_none"] = lmkit.paired(lmkit.seed_mean([r["per_problem"] for r in runs["k4-none"]]),
+                                                lmkit.seed_mean([r["per_problem"] for r in runs["k4-tis"]]))
 
     fig, axes = figure(1, 3, layout="constrained")
-    for i, (name, c) in enumerate(curves.items()):
-        style = {"color": f"C{i // 2}", "linestyle": "--" if name.endswith("none") else "-"}
-        axes[0].plot(c["step"], c["reward"], label=name, **style)
-        axes[1].plot(c["step"], [max(m, 1e-9) for m in c["logprob_mismatch"]], label=name, **style)
-    names = list(summaries)
-    for offset, (key, label) in enumerate((("pass@1", "greedy"), ("pass@1_t1", "T=1"))):
-        axes[2].bar([i + 0.4 * offset for i in range(len(names))], [summaries[n][key] for n in names], width=0.4,
-                    label=label)
-    axes[2].set_xticks([i + 0.2 for i in range(len(names))], names, rotation=45, fontsize=7)
+    for i, (name, rs) in enumerate(runs.items()):
+        style = dict(color=f"C{i}", linestyle="--" if name.endswith("none") else "-", label=name)
+        lmkit.draw_band(axes[0], rs[0]["step"], [r["reward"] for r in rs], **style)
+        lmkit.draw_band(axes[1], rs[0]["step"], [[max(m, 1e-9) for m in r["logprob_mismatch"]] for r in rs], **style)
+        axes[2].bar(i, summary[name]["pass@1"]["mean"], color=f"C{i}", alpha=0.5)
+        axes[2].plot([i] * len(rs), [r["pass@1"] for r in rs], "k.", markersize=5)
+    axes[2].axhline(start["pass@1"], color="k", lw=0.5, linestyle=":")
+    axes[2].set_xticks(range(len(runs)), list(runs), rotation=30, fontsize=7)
     axes[1].set_yscale("log")
-    for ax, title in zip(axes, ["reward of the step's answers", "logprob_mismatch (nats/token; 1e-9 floor)",
-                                "held-out pass@1 at the end"]):
-        ax.set_title(title, fontsize=10)
+    axes[0].set(title="reward of each step's answers", xlabel="RL step", ylabel="mean reward")
+    axes[1].set(title="logprob_mismatch (1e-9 floor)", xlabel="RL step", ylabel="nats per token (mean)")
+    axes[2].set(title="held-out greedy pass@1 at the end (dots: seeds; dotted: SFT)", ylabel="pass@1")
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     for ax in axes[:2]:
-        ax.set_xlabel("step", fontsize=9)
-    lab.save({"home": args.home, "init": sft, "smoke": args.smoke, "tools": not args.smoke,
-              "steps": 3 if args.smoke else STEPS, "prompts_per_step": 4 if args.smoke else PROMPTS,
-              "group_size": 4 if args.smoke else 8, "ranks": 1, "start": start, "runs": summaries, "curves": curves,
-              "table": table(summaries)}, fig)
+        ax.legend(fontsize=7)
+    lab.save({"question": "Trained on answers sampled by weights k steps old, does RL learn less, and does token-tis "
+                          "win "
+                          "it back?", "init": "sft/default", "tools": bool(tools), "seeds": seeds, **size, "ranks": 1,
+              "summary": summary, "runs": runs}, fig)
 
 
 if __name__ == "__main__":

@@ -577,3 +577,29 @@ def test_a_callers_autocast_changes_nothing(tok, peaked):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = eng.generate(prompts_of(tok, 2), num_samples=2, max_new_tokens=8, seed=0)
     assert [(o.tokens, o.logprobs) for o in got] == [(o.tokens, o.logprobs) for o in want]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_snapshot_does_not_move_with_training(tok, tied):
+    """Engine.snapshot samples with the weights as they were: an update in place of EVERY parameter afterwards
+    (what AdamW does) changes nothing it samples. Before the fix a float32 snapshot shared the embedding, the
+    norms, o_proj and down_proj with the trainer (`.to(dtype)` of a float32 tensor is the tensor itself), so a
+    '--staleness 1' sampler was one step behind in half its weights only, and an --off-policy one read weights
+    mid-update (docs/lab/sampler_trainer.md)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
+                    intermediate_size=128, max_seq_len=128, tie_word_embeddings=tied)
+    m = GPT(cfg).eval()
+    eng = Engine(m, tok)
+    prompts = prompts_of(tok, 3)
+    before = eng.generate(prompts, num_samples=2, max_new_tokens=12, seed=5)
+    frozen = eng.snapshot()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.5)  # every weight moves, in place
+    after = frozen.generate(prompts, num_samples=2, max_new_tokens=12, seed=5)
+    assert [o.tokens for o in after] == [o.tokens for o in before]
+    torch.testing.assert_close(torch.tensor([lp for o in after for lp in o.logprobs]),
+                               torch.tensor([lp for o in before for lp in o.logprobs]), atol=0, rtol=0)
+    moved = eng.generate(prompts, num_samples=2, max_new_tokens=12, seed=5)  # the live engine follows the update
+    assert [o.logprobs for o in moved] != [o.logprobs for o in before]

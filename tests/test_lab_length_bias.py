@@ -1,28 +1,19 @@
-"""lab/length_bias.py at smoke size, on the tiny home tests/conftest.py builds: it writes its figure and the JSON
-keys docs/lab/length_bias.md quotes."""
-import json
-import os
-import subprocess
-import sys
-
+"""lab/length_bias.py at smoke size on conftest.lab_home: its figure and the JSON keys docs/lab/length_bias.md
+quotes."""
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from lab_smoke import run_lab
 
 
-@pytest.mark.slow
 @pytest.mark.xdist_group("lab_home")  # one worker builds the session's lab_home, not each
 def test_length_bias_smoke(lab_home, tmp_path):
-    r = subprocess.run([sys.executable, os.path.join(REPO, "lab", "length_bias.py"), "--home", str(lab_home), "--out",
-                        str(tmp_path), "--smoke", "--threads", "1"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (tmp_path / "length_bias.png").stat().st_size > 0
-    data = json.loads((tmp_path / "length_bias.json").read_text())
-    # the smoke home has no calculator: the variant without it only
-    assert list(data["runs"]) == ["no-tools"] and list(data["runs"]["no-tools"]) == ["grpo", "token-mean", "dr-grpo"]
-    for run in data["runs"]["no-tools"].values():
-        assert len(run["step"]) == len(run["length_correct"]) == len(run["length_wrong"]) == len(run["accuracy"]) == 2
-        assert len(run["truncated_frac"]) == len(run["tool_use_rate"]) == 2  # the page quotes both
-        assert set(run["first_step"]) == set(run["end"]) == {"length_correct", "length_wrong", "accuracy"}
-        assert set(run["heldout_pass@1"]) == {"start", "end"} and run["seconds"] > 0 and "--tools" not in run["flags"]
-    assert len(data["commands"]) == 3 and data["seconds"] > 0 and "speed_reference" in data
+    data = run_lab("length_bias", lab_home, tmp_path)
+    assert list(data["runs"]) == ["grpo", "token-mean", "dr-grpo"] and data["tools"] is False
+    for name, runs in data["runs"].items():
+        run = runs[0]
+        assert run["step"] == [1, 2] and len(run["length_wrong"]) == len(run["length_correct"]) == 2
+        assert all(len(v) == data["eval_problems"] for v in run["end"].values())
+        s = data["summary"][name]
+        assert {"wrong", "right", "accuracy", "cv", "minus_dr_grpo", "wrong_minus_start"} <= s.keys()
+    commands = [c["command"] for c in data["commands"]]
+    assert "--agg seq-mean-token-mean" in commands[0] and "--scale none --agg seq-mean-token-sum-norm" in commands[2]

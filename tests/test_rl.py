@@ -357,6 +357,23 @@ def test_loop_runs_off_policy_and_stale(tmp_path, tiny_chat, mode):
         assert all(r["correction_mean"] == 1 - r["masked_frac"] for r in steps)
 
 
+def test_off_policy_and_one_step_stale_sample_with_the_same_weights(tmp_path, tiny_chat):
+    """--off-policy (the next batch sampled in a thread while this one trains) and --staleness 1 both train each
+    batch one update behind the weights that sampled it, the same weights, prompts and seeds: the same answers, so
+    the same rewards and the same sampler/trainer gap at every step. (A snapshot that shared the trainer's float32
+    weights made them differ: the stale sampler was half current, the thread read weights mid-update;
+    docs/lab/sampler_trainer.md.)"""
+    train = ("--overlong-buffer", "24", "--steps", "3", "--lr", "1e-2")
+    runs = [[r for r in rl_run(tmp_path / name, tiny_chat, *train, *mode) if "reward" in r]
+            for name, mode in (("off", ["--off-policy"]), ("stale", ["--staleness", "1"]))]
+    off, stale = runs
+    assert [r["staleness"] for r in off] == [r["staleness"] for r in stale] == [0, 1, 1]
+    for a, b in zip(off, stale):
+        assert a["length_mean"] == b["length_mean"] and a["reward"] == b["reward"]
+        assert a["logprob_mismatch"] == pytest.approx(b["logprob_mismatch"], rel=1e-4, abs=1e-7)
+    assert off[2]["logprob_mismatch"] > 1e-4  # one update behind: a gap there is
+
+
 def test_loop_runs_with_ppo_epochs_and_tools(tmp_path, tiny_chat):
     # an untrained model never answers right: the soft overlong penalty gives its answers distinct rewards
     rows = rl_run(tmp_path, tiny_chat, "--ppo-epochs", "2", "--minibatches", "1", "--tools", "--eps-high", "0.2",

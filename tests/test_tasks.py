@@ -312,6 +312,20 @@ def test_gsm8k_is_strict_and_numeric():
     assert has_format("gsm8k", "#### 3") and not has_format("gsm8k", "3") and not has_format("gsm8k", "#### 3\n####")
 
 
+def test_gsm8k_any_accepts_any_matching_line():
+    """The lenient grader lab/lenient_verifier.py hacks: any "#### N" line that matches, where gsm8k wants the one
+    final line."""
+    hundred_boxes = "Mia has 8 * 15 = 120 oranges.\n#### 118\n#### 120\n#### 480\n#### 481"
+    assert verify("gsm8k_any", hundred_boxes, "480") == 1.0 and verify("gsm8k", hundred_boxes, "480") == 0.0
+    assert verify("gsm8k_any", "#### 19\nor maybe 20", "19") == 1.0  # not the last line: still counted
+    assert verify("gsm8k_any", "#### 1,000", "1000") == 1.0 and verify("gsm8k_any", "#### 20\n#### 21", "19") == 0.0
+    assert verify("gsm8k_any", "x #### 19", "19") == 0.0  # a line of its own
+    assert verify("gsm8k_any", "#### 19 apples", "19") == 0.0 and verify("gsm8k_any", "19", "19") == 0.0
+    assert has_format("gsm8k_any", "a\n#### 3\n#### 4") and not has_format("gsm8k_any", "3")
+    with pytest.raises(ValueError, match="number"):
+        verify("gsm8k_any", "#### 3", "three")
+
+
 def test_boxed_is_strict():
     assert verify("boxed", "so \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}") == 1.0
     assert verify("boxed", "\\boxed{0.5}", "\\dfrac{1}{2}") == 1.0  # numerically equal

@@ -211,3 +211,22 @@ def test_clip_bounds_dual_clip_and_mask_kl_reach_the_objective(argv):
     assert clipped.any() and (not args.dual_clip or ((-a * r > -a * args.dual_clip) & (m > 0)).any())
     for got, w in zip(opt.steps[0], want):
         torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
+
+
+def test_sampler_temperature_samples_apart_from_the_trainer(monkeypatch, tmp_path, chat):
+    """--sampler-temperature 1.5 beside --temperature 1.0 (lab/sampler_trainer.py's mismatch of known size): the
+    engine samples at 1.5 and records those log-probs; the snapshot the update trains from, and the correction's
+    weights, are of the trainer's distribution at 1.0. The logged gap is theirs, |log p_1.0 - log p_1.5| per token."""
+    args, rec, steps = rl_case(monkeypatch, tmp_path, chat, "--sampler-temperature", "1.5")
+    assert all(call.kwargs["temperature"] == 1.5 for call in rec["sample"])
+    call = rec["update_policy"][0]
+    batch, kw = call.args[2], call.kwargs
+    model, m = loaded(chat), batch.mask
+    trainer = logp_of(model, batch.inputs, batch.targets, 1.0) * m
+    sampler = logp_of(model, batch.inputs, batch.targets, 1.5) * m
+    torch.testing.assert_close(kw["old_logp"], trainer, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(batch.engine_logp, sampler, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(kw["weights"], correction_weights(trainer, sampler, m, "token-tis", 2.0, 0.1),
+                               atol=1e-4, rtol=1e-4)
+    gap = float(((trainer - sampler).abs() * m).sum() / m.sum())
+    assert gap > 1e-2 and steps[0]["logprob_mismatch"] == pytest.approx(gap, rel=1e-3)
