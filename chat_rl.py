@@ -101,25 +101,20 @@ parser.add_argument("--eps-low", type=float, default=0.2)
 parser.add_argument("--eps-high", type=float, default=0.28, help="clip-higher (DAPO); 0.2 for symmetric PPO")
 parser.add_argument("--agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                     default="token-mean")
-parser.add_argument("--level", choices=["token", "sequence"], default="token", help="token ratios, or GSPO's sequence "
-                    "ratio")
-parser.add_argument("--loss", choices=["ppo", "cispo"], default="ppo", help="the clipped ratio objective, or CISPO's "
-                    "clipped detached weight")
-parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip bound for negative advantages (e.g. 3.0), "
-                    "with --loss ppo")
+parser.add_argument("--level", choices=["token", "sequence"], default="token", help="sequence: GSPO's ratio per answer")
+parser.add_argument("--loss", choices=["ppo", "cispo", "cispo-two-sided"], default="ppo", help="the clipped ratio "
+                    "objective; CISPO's detached weight, capped (MiniMax-M1) or clipped to [1 - eps_low, 1 + eps_high]")
+parser.add_argument("--cispo-cap", type=float, default=5.0, help="--loss cispo: the weight's upper bound (TRL: 5)")
+parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip PPO's bound for A < 0 (e.g. 3.0)")
 parser.add_argument("--mask-truncated", action="store_true", help="answers cut off at the length limit: no gradient")
-parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (token-mean entropy "
-                    "of the sampling distribution)")
-parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight against the frozen start (0: no "
-                    "reference model)")
-parser.add_argument("--log-kl-to-start", action="store_true", help="at --kl-beta 0 too, load the start to log "
-                    "kl_to_start (a reference forward a step)")
+parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (aggregated as --agg)")
+parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight to the frozen start (0: none)")
+parser.add_argument("--log-kl-to-start", action="store_true", help="log kl_to_start at --kl-beta 0 (loads the start)")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k2", help="KL estimator in the loss (k2: its "
                     "gradient is the exact KL gradient)")
 parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to "
                     "the sampling policy exceeds it (CleanRL)")
-parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: weight of prime-rl's squared "
-                    "log-ratio to the sampler")
+parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: prime-rl's squared log-ratio weight")
 # optimization
 parser.add_argument("--ppo-epochs", type=int, default=1, help="passes over each rollout batch")
 parser.add_argument("--minibatches", type=int, default=2, help="optimizer steps per pass")
@@ -134,7 +129,8 @@ add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targ
 def group_advantages(rewards, group_size, scale="group", estimator="grpo", eps=1e-6):
     """One advantage per answer, relative to its group of `group_size` answers to the same prompt.
 
-    Example: rewards [1, 0, 0, 1, 0, 1, 0, 0] (G = 8), mean 0.375, population std 0.4841:
+    Example: rewards [1, 0, 0, 1, 0, 1, 0, 0] (G = 8), mean 0.375, population std 0.4841 (as the seed's table;
+    TRL and verl divide by Bessel's std, 0.5175, so their advantages are sqrt((G - 1) / G) = 0.9354 of these):
     a correct answer gets (1 - 0.375) / 0.4841 = +1.2910, a wrong one -0.7746; without the division
     (Dr. GRPO, scale="none") +0.6250 and -0.3750. A group whose rewards are all equal teaches nothing:
     its advantages are exactly 0, never a float-noise std blown up into a huge number (NeMo-RL#4161)."""
@@ -171,7 +167,7 @@ def step_advantages(rewards, group_size, scale, estimator):
 # The policy loss
 
 def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dual_clip=None, level="token",
-                agg="token-mean", loss_type="ppo", normalizer=None, max_len=None, weights=None):
+                agg="token-mean", loss_type="ppo", normalizer=None, max_len=None, weights=None, cispo_cap=5.0):
     """The clipped importance-ratio objective, negated (a loss to minimize). Returns (loss, stats).
 
     logp: (B, T) log-probs under the policy being trained (with gradient); old_logp: the same tokens
@@ -188,8 +184,9 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dua
           exp(0.87 / 5) = 1.1901, inside the clip range where the fourth token's own ratio 2.4596 is
           not. Its value is per answer; the gradient flows through each token's log-prob.
       dual_clip=c: the loss of a negative-advantage token is at most -c A (dual-clip PPO).
-      loss_type="cispo": -sg(clip(r, 1 - eps_low, 1 + eps_high)) A log p: the weight is clipped and
-          detached, so no token is dropped from the gradient ("Wait", "However" keep theirs).
+      loss_type="cispo": -sg(min(r, cispo_cap)) A log p, MiniMax-M1's weight: capped, no lower bound, detached, so
+          no token leaves the gradient ("Wait", "However" keep theirs). TRL's loss_type="cispo" at epsilon_high=c
+          is cispo_cap=c. "cispo-two-sided": sg(clip(r, 1 - eps_low, 1 + eps_high)) in place of the capped weight.
       weights: (B, T) detached per-token weights, the sampler correction (rollout.sampler_correction).
     agg and normalizer: see aggregate."""
     mask = mask.to(logp.dtype)
@@ -205,10 +202,10 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dua
         per_token, is_clipped = clipped_surrogate(ratio, adv, eps_low, eps_high)  # the pessimistic side, and where
         if dual_clip is not None:                                                 # the clip binds
             per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * dual_clip), per_token)
-    elif loss_type == "cispo":
+    elif loss_type in ("cispo", "cispo-two-sided"):
         if dual_clip is not None:
             raise ValueError("dual_clip bounds the PPO objective; CISPO has none to bound")
-        clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
+        clipped_ratio = ratio.clamp(max=cispo_cap) if loss_type == "cispo" else ratio.clamp(1 - eps_low, 1 + eps_high)
         per_token = -clipped_ratio.detach() * adv * logp
         is_clipped = clipped_ratio != ratio
     else:
@@ -302,10 +299,13 @@ def update_policy(model, optimizer, batch, *, old_logp, advantages, step, loss_s
 
 def update_settings(args) -> dict:
     """update_policy's settings from this script's flags: what main passes, and what the tests build."""
-    if args.dual_clip is not None and args.loss == "cispo":
+    if args.dual_clip is not None and args.loss != "ppo":
         raise UserError("--dual-clip bounds the PPO objective (--loss ppo); CISPO has none to bound")
+    if args.level == "sequence" and args.agg == "token-mean":  # as TRL warns: GSPO's paper averages answers
+        print0("warning: --level sequence with --agg token-mean weighs answers by length; GSPO: seq-mean-token-mean")
     return dict(loss_settings=dict(eps_low=args.eps_low, eps_high=args.eps_high, dual_clip=args.dual_clip,
-                                   level=args.level, agg=args.agg, loss_type=args.loss, max_len=args.max_new_tokens),
+                                   level=args.level, agg=args.agg, loss_type=args.loss, max_len=args.max_new_tokens,
+                                   cispo_cap=args.cispo_cap),
                 kl_beta=args.kl_beta, kl_kind=args.kl_kind, entropy_coef=args.entropy_coef,
                 mask_kl_coef=args.mask_kl_coef if args.correction == "token-mask" else 0.0, target_kl=args.target_kl,
                 ppo_epochs=args.ppo_epochs, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,

@@ -71,7 +71,8 @@ FLAG_RANGES = {
     # sampling (chat_cli, chat_eval and chat_sample take --temperature 0 as greedy: check_flag_ranges(greedy=True))
     "temperature": "> 0", "sampler_temperature": "> 0", "top_k": ">= 1", "top_p": "> 0, <= 1",
     # the losses
-    "eps_low": ">= 0, < 1", "eps_high": ">= 0", "dual_clip": "> 1", "tis_cap": "> 0", "mask_eps": "> 0",
+    "eps_low": ">= 0, < 1", "eps_high": ">= 0", "dual_clip": "> 1", "cispo_cap": "> 0", "tis_cap": "> 0",
+    "mask_eps": "> 0",
     "kl_beta": ">= 0", "kl_target": "> 0", "kl_horizon": "> 0", "target_kl": "> 0", "mask_kl_coef": ">= 0",
     "gamma": ">= 0, <= 1", "lam": ">= 0, <= 1", "value_clip": ">= 0", "discount": ">= 0, <= 1", "beta": "> 0",
     "label_smoothing": ">= 0, < 0.5", "rpo_alpha": ">= 0", "desirable_weight": ">= 0",

@@ -97,3 +97,23 @@ def test_every_switch_is_on_at_1_and_off_otherwise(tmp_path, script):
             assert stages, f"{script}: no stage launched"
             on = (value or default) == "1"  # empty is unset: the default
             assert all((flag in c) == on for c in stages), f"{script} with {name}={value!r}: {stages}"
+
+
+def test_the_docs_set_only_variables_the_recipes_read():
+    """An environment variable the docs set before `bash runs/X.sh`, or list in recipes.md's table of knobs, is
+    one the script reads (`${VAR`) or the code does (os.environ): RL_SECONDS stayed in the docs after the scripts
+    stopped reading it. docs/LOG.md, dated, records what was run then."""
+    stale = []
+    code = "".join(open(f).read() for f in glob.glob(os.path.join(REPO, "*.py")) + glob.glob(os.path.join(REPO, "tests", "*.py")))
+    for md in sorted(glob.glob(os.path.join(REPO, "docs", "*.md")) + [os.path.join(REPO, "README.md")]):
+        if md.endswith("LOG.md"):
+            continue
+        for assigns, script in re.findall(r"((?:\b[A-Z][A-Z_]+=\S+\s+)+)bash runs/(\w+\.sh)", open(md).read()):
+            read = open(os.path.join(REPO, "runs", script)).read()
+            stale += [f"{os.path.basename(md)}: {v} for runs/{script}" for v in re.findall(r"\b([A-Z][A-Z_]+)=", assigns)
+                      if "${" + v not in read and f'"{v}"' not in code]
+    recipes = open(os.path.join(REPO, "runs", "r1.sh")).read() + open(os.path.join(REPO, "runs", "tulu3.sh")).read()
+    for v in re.findall(r"^\| `([A-Z][A-Z_]+)` \|", open(os.path.join(REPO, "docs", "recipes.md")).read(), re.M):
+        if "${" + v not in recipes:
+            stale.append(f"recipes.md's table: {v}")
+    assert not stale, "variables the scripts do not read:\n" + "\n".join(stale)

@@ -95,13 +95,48 @@ def test_clip_higher_table():
 
 def test_clipped_token_has_no_gradient_in_ppo_but_keeps_it_in_cispo():
     grads = {}
-    for kind in ("ppo", "cispo"):
+    for kind, cap in (("ppo", 5.0), ("cispo-two-sided", 5.0), ("cispo", 5.0), ("cispo", 1.3)):
         logp = (OLD + DELTA).clone().requires_grad_(True)
-        loss, _ = policy_loss(logp, OLD, torch.tensor([1.0]), torch.ones(1, 5), loss_type=kind)
+        loss, _ = policy_loss(logp, OLD, torch.tensor([1.0]), torch.ones(1, 5), loss_type=kind, cispo_cap=cap)
         loss.backward()
-        grads[kind] = logp.grad[0]
-    assert grads["ppo"][2] == 0                                 # t3 is above 1.2: PPO drops it
-    assert close(grads["cispo"][2], -1.2 / 5)                   # CISPO: clipped weight 1.2, gradient kept
+        grads[kind, cap] = logp.grad[0]
+    assert grads["ppo", 5.0][2] == 0                            # t3 is above 1.2: PPO drops it
+    assert close(grads["cispo-two-sided", 5.0][2], -1.2 / 5)    # CISPO two-sided: clipped weight 1.2, gradient kept
+    assert close(grads["cispo", 5.0][2], -1.4918 / 5, 1e-4)     # the paper's: ratio 1.4918 under the cap, kept whole
+    assert close(grads["cispo", 1.3][2], -1.3 / 5)              # capped at 1.3
+
+
+def test_cispo_is_trls_formula_and_has_no_lower_bound():
+    """TRL (GRPOTrainer, loss_type="cispo"): per_token_loss = -clamp(coef_1, max=epsilon_high).detach() * A * logp,
+    coef_1 = exp(logp - old_logp). nanopost's --loss cispo --cispo-cap c is TRL's loss_type="cispo" with
+    epsilon_high=c (an absolute cap, not 1 + eps), and MiniMax-M1's objective with no lower bound on the weight."""
+    torch.manual_seed(0)
+    old = torch.randn(3, 6) - 2.0
+    logp0 = old + torch.tensor([-1.5, -0.4, 0.0, 0.3, 1.2, 2.0])  # ratios 0.22 .. 7.39: under 1 - eps, over the cap
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.ones(3, 6)
+    for cap in (5.0, 1.28):
+        logp = logp0.clone().requires_grad_(True)
+        loss, stats = policy_loss(logp, old, adv, mask, loss_type="cispo", cispo_cap=cap, eps_low=0.2, eps_high=0.28)
+        loss.backward()
+        ref_logp = logp0.clone().requires_grad_(True)
+        trl = (-torch.clamp(torch.exp(ref_logp - old), max=cap).detach() * adv[:, None] * ref_logp).mean()
+        trl.backward()
+        assert close(loss.item(), trl.item(), 1e-6) and torch.allclose(logp.grad, ref_logp.grad, atol=1e-7)
+        assert stats["clip_frac"] == pytest.approx((1 if cap == 5.0 else 3) / 6)  # the tokens whose weight is capped
+    # the ratio 0.22 token keeps its weight 0.22 (no lower bound); two-sided lifts it to 1 - eps_low = 0.8
+    for kind, weight in (("cispo", math.exp(-1.5)), ("cispo-two-sided", 0.8)):
+        logp = logp0.clone().requires_grad_(True)
+        policy_loss(logp, old, torch.ones(3), mask, loss_type=kind, eps_low=0.2, eps_high=0.28)[0].backward()
+        assert close(logp.grad[0, 0].item(), -weight / 18, 1e-6)
+
+
+def test_gspo_with_token_mean_warns(capsys):
+    from chat_rl import parser, update_settings
+    update_settings(parser.parse_args(["--level", "sequence"]))
+    assert "GSPO: seq-mean-token-mean" in capsys.readouterr().out
+    update_settings(parser.parse_args(["--level", "sequence", "--agg", "seq-mean-token-mean"]))
+    update_settings(parser.parse_args([]))
+    assert "warning" not in capsys.readouterr().out
 
 
 def test_dual_clip_bounds_negative_advantages():
@@ -568,7 +603,9 @@ def reference_loss(logp, old, adv, mask, *, level, loss, agg, max_len, ref=None,
         per_tok = per_seq[:, None].expand_as(logp)                      # every token of an answer carries it
     else:
         r = torch.exp(logp - old)
-        if loss == "cispo":
+        if loss == "cispo":  # MiniMax-M1: the weight capped (at 5, --cispo-cap's default), no lower bound
+            per_tok = -r.clamp(max=5.0).detach() * adv[:, None] * logp
+        elif loss == "cispo-two-sided":
             per_tok = -r.clamp(1 - eps_low, 1 + eps_high).detach() * adv[:, None] * logp
         else:
             per_tok = -torch.minimum(r * adv[:, None], r.clamp(1 - eps_low, 1 + eps_high) * adv[:, None])
@@ -592,6 +629,7 @@ def reference_loss(logp, old, adv, mask, *, level, loss, agg, max_len, ref=None,
 @pytest.mark.parametrize("flags", [
     dict(level="token", loss="ppo", agg="token-mean"),
     dict(level="token", loss="cispo", agg="token-mean"),
+    dict(level="token", loss="cispo-two-sided", agg="token-mean"),
     dict(level="sequence", loss="ppo", agg="seq-mean-token-mean"),
     dict(level="sequence", loss="ppo", agg="token-mean"),
     dict(level="token", loss="ppo", agg="seq-mean-token-mean"),

@@ -230,3 +230,25 @@ def test_sampler_temperature_samples_apart_from_the_trainer(monkeypatch, tmp_pat
                                atol=1e-4, rtol=1e-4)
     gap = float(((trainer - sampler).abs() * m).sum() / m.sum())
     assert gap > 1e-2 and steps[0]["logprob_mismatch"] == pytest.approx(gap, rel=1e-3)
+
+
+@pytest.mark.parametrize("cap", [1.1, 1.5])
+def test_cispo_cap_reaches_the_loss(cap):
+    """--loss cispo --cispo-cap through update_settings: the gradient handed to the optimizer is that of
+    -min(r, cap).detach() A log p, token-mean, with the old log-probs far enough that some weights are capped."""
+    prompts, comps, adv = synthetic_batch()
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    model = tiny_policy()
+    with torch.no_grad():
+        logp0 = model(b.inputs, b.targets)
+    old = (logp0 + (torch.rand(logp0.shape, generator=torch.Generator().manual_seed(2)) - 0.5) * 1.2) * b.mask
+    args = chat_rl.parser.parse_args(["--ppo-epochs", "1", "--minibatches", "1", "--grad-clip", "0",
+                                      "--max-new-tokens", "16", "--loss", "cispo", "--cispo-cap", str(cap)])
+    opt = RecordingOptimizer(model)
+    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, step=0, **chat_rl.update_settings(args))
+    logp, m = model(b.inputs, b.targets), b.mask
+    r = torch.exp(logp - old).detach()
+    assert ((r > cap) & (m > 0)).any()
+    loss = (-r.clamp(max=cap) * adv[:, None] * logp * m).sum() / m.sum()
+    for got, w in zip(opt.steps[0], torch.autograd.grad(loss, opt.params)):
+        torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-4)
