@@ -180,6 +180,22 @@ def test_head_precision_reaches_the_trainer_the_engine_and_the_reference(monkeyp
     assert steps[0]["logprob_mismatch"] < 1e-5
 
 
+def one_update(argv):
+    """One optimizer step of update_policy, with these chat_rl flags, on the synthetic batch of a tiny policy whose
+    old log-probs sit up to 0.6 nats from its own (so that clips bind); returns what the objective is checked on."""
+    prompts, comps, adv = synthetic_batch()
+    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
+    model = tiny_policy()
+    with torch.no_grad():
+        logp0 = model(b.inputs, b.targets)
+    old = (logp0 + (torch.rand(logp0.shape, generator=torch.Generator().manual_seed(2)) - 0.5) * 1.2) * b.mask
+    args = chat_rl.parser.parse_args(["--ppo-epochs", "1", "--minibatches", "1", "--grad-clip", "0",
+                                      "--max-new-tokens", "16", *argv])
+    opt = RecordingOptimizer(model)
+    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, step=0, **chat_rl.update_settings(args))
+    return args, model, opt, b, old, adv
+
+
 @pytest.mark.parametrize("argv", [["--eps-low", "0.05"], ["--eps-high", "0.05"], ["--dual-clip", "1.5"],
                                   ["--correction", "token-mask", "--mask-kl-coef", "0.5"], ["--mask-kl-coef", "0.5"]],
                          ids=lambda a: "_".join(x.lstrip("-") for x in a))
@@ -188,16 +204,7 @@ def test_clip_bounds_dual_clip_and_mask_kl_reach_the_objective(argv):
     the gradient handed to the optimizer is that of the objective written out here: -min(r A, clip(r, 1 - eps_low,
     1 + eps_high) A), bounded by -c A for a negative advantage (dual clip), token-mean, plus --mask-kl-coef x the
     token-mean squared log-ratio to the sampler (only with --correction token-mask)."""
-    prompts, comps, adv = synthetic_batch()
-    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
-    model = tiny_policy()
-    with torch.no_grad():
-        logp0 = model(b.inputs, b.targets)
-    old = (logp0 + (torch.rand(logp0.shape, generator=torch.Generator().manual_seed(2)) - 0.5) * 1.2) * b.mask
-    args = chat_rl.parser.parse_args(["--ppo-epochs", "1", "--minibatches", "1", "--micro-batch-tokens", "24",
-                                      "--grad-clip", "0", "--max-new-tokens", "16", *argv])
-    opt = RecordingOptimizer(model)
-    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, step=0, **chat_rl.update_settings(args))
+    args, model, opt, b, old, adv = one_update(["--micro-batch-tokens", "24", *argv])
     logp, m = model(b.inputs, b.targets), b.mask
     r, a = torch.exp(logp - old), adv[:, None].expand_as(logp)
     per_token = torch.maximum(-a * r, -a * r.clamp(1 - args.eps_low, 1 + args.eps_high))
@@ -236,16 +243,7 @@ def test_sampler_temperature_samples_apart_from_the_trainer(monkeypatch, tmp_pat
 def test_cispo_cap_reaches_the_loss(cap):
     """--loss cispo --cispo-cap through update_settings: the gradient handed to the optimizer is that of
     -min(r, cap).detach() A log p, token-mean, with the old log-probs far enough that some weights are capped."""
-    prompts, comps, adv = synthetic_batch()
-    b = training_batch([prompts[c.prompt_index] for c in comps], comps, 0, "cpu")
-    model = tiny_policy()
-    with torch.no_grad():
-        logp0 = model(b.inputs, b.targets)
-    old = (logp0 + (torch.rand(logp0.shape, generator=torch.Generator().manual_seed(2)) - 0.5) * 1.2) * b.mask
-    args = chat_rl.parser.parse_args(["--ppo-epochs", "1", "--minibatches", "1", "--grad-clip", "0",
-                                      "--max-new-tokens", "16", "--loss", "cispo", "--cispo-cap", str(cap)])
-    opt = RecordingOptimizer(model)
-    chat_rl.update_policy(model, opt, b, old_logp=old, advantages=adv, step=0, **chat_rl.update_settings(args))
+    args, model, opt, b, old, adv = one_update(["--loss", "cispo", "--cispo-cap", str(cap)])
     logp, m = model(b.inputs, b.targets), b.mask
     r = torch.exp(logp - old).detach()
     assert ((r > cap) & (m > 0)).any()
