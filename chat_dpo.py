@@ -200,7 +200,8 @@ def main():
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora_options(args),
+    lora = lora_options(args, init)  # None without --lora-rank
+    model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
                                   head_precision=args.head_precision),
                        fsdp=args.fsdp)
     if args.pairs == "on-policy" and not args.data:
@@ -218,16 +219,17 @@ def main():
     # the reference log-probs (or a frozen copy for live forwards), and greedy pass@1 at the start
     pad, cap = tok.pad_id, args.max_len
     val_ref, ref, ref_model = pair_references(model, items, val_items, ref="none" if orpo else args.ref, init=init,
-                                              fsdp=args.fsdp, pad_id=pad, capacity=cap)
+                                              fsdp=args.fsdp, lora=lora, pad_id=pad, capacity=cap)
     eval_rows = rl_prompts("test", args.eval_problems) if not args.data else []  # the embedded world's answer key
     start = ({}, None) if ckpt else pass_at_start(model, tok, eval_rows, max_new_tokens=args.max_new_tokens,
                                                   tools=args.tools)
     if ckpt:
-        model = wrap_model(load_model(ckpt, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                      lora=lora_options(args, resume=True), head_precision=args.head_precision),
+        lora = lora_options(args, ckpt, resume=True)  # the checkpoint's adapter, continued
+        model = wrap_model(load_model(ckpt, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
+                                      head_precision=args.head_precision),
                            fsdp=args.fsdp)
         if ref_model is not None and args.lora_rank:  # the reloaded policy, with its adapters off
-            ref_model = reference_model(model, init, args.fsdp)
+            ref_model = reference_model(model, init, args.fsdp, lora)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
 
     per_step = args.batch_size
@@ -293,7 +295,7 @@ def main():
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
-            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)}, lora=lora)
 
     ev = final_scores(model, tok, val_items, val_ref, eval_rows, start, pad_id=pad, capacity=cap, beta=args.beta,
                       max_new_tokens=args.max_new_tokens, tools=args.tools)

@@ -295,19 +295,18 @@ def main():
     use_kl = args.kl_beta > 0 or args.kl_target is not None
     peak_memory.check(memory_estimate(args, init, prompt_len=prompt_len, world_size=dist.world_size,
                                       cuda=device.type == "cuda"), device)
-    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True),
+    lora = lora_options(args, ckpt or init, resume=bool(ckpt), scores_samples=True)  # None without --lora-rank
+    actor = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
                                   head_precision=args.head_precision), fsdp=args.fsdp)
     # with --lora-rank the critic is a second model with its own frozen base, adapters and value head (docs/lora.md)
+    critic_lora = lora_options(args, critic_ckpt or critic_init, resume=bool(critic_ckpt), scores_samples=True)
     critic = wrap_model(load_model(critic_ckpt or critic_init, head="scalar", fsdp=args.fsdp,
-                                   save_dtype=args.save_dtype,
-                                   lora=lora_options(args, resume=bool(critic_ckpt), scores_samples=True)),
-                        fsdp=args.fsdp)
+                                   save_dtype=args.save_dtype, lora=critic_lora), fsdp=args.fsdp)
     unwrap(actor).grad_checkpointing = unwrap(critic).grad_checkpointing = args.grad_checkpointing
     # 3: the reward: the row's verifier, a reward model, or a weighted sum (rewards.Grader)
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # its reward models stay whole on every rank
     # 4: the frozen reference, in the compute dtype (not loaded when there is no KL penalty)
-    ref_model = reference_model(actor, init, args.fsdp) if use_kl else None  # LoRA: the actor, adapters off
+    ref_model = reference_model(actor, init, args.fsdp, lora) if use_kl else None  # LoRA: the actor, adapters off
 
     peak_lr = learning_rate(args.lr, "ppo", unwrap(actor))
     critic_peak_lr = learning_rate(args.critic_lr, "critic", unwrap(critic), name="--critic-lr")
@@ -473,8 +472,8 @@ def main():
                         refresh=False)
         if (step + 1) % args.save_every == 0 or last:
             state = {"run_config": vars(args), "kl_beta": kl_beta, "train_seconds": train_clock}
-            save_checkpoint(os.path.join(out_dir, "critic"), step + 1, critic, tok, critic_opt, state)
-            save_checkpoint(out_dir, step + 1, actor, tok, actor_opt, state)
+            save_checkpoint(os.path.join(out_dir, "critic"), step + 1, critic, tok, critic_opt, state, lora=critic_lora)
+            save_checkpoint(out_dir, step + 1, actor, tok, actor_opt, state, lora=lora)
         if over_budget:
             print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
             break

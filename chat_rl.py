@@ -345,8 +345,8 @@ def main():
                                       world_size=dist.world_size, cuda=device.type == "cuda"), device)
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt), scores_samples=True),
+    lora = lora_options(args, ckpt or init, resume=bool(ckpt), scores_samples=True)  # None without --lora-rank
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
                                   head_precision=args.head_precision), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     peak_lr = learning_rate(args.lr, "rl", unwrap(model))
@@ -354,7 +354,7 @@ def main():
     state = resume_state(ckpt, optimizer, model)  # train_seconds: in steps, evaluation excluded (--time-budget)
     start_step, train_clock = state["step"], state["train_seconds"]
     # the frozen start (compute dtype; LoRA: the policy, run with its adapters off); at beta = 0 only for kl_to_start
-    ref_model = reference_model(model, init, args.fsdp) if args.kl_beta > 0 or args.log_kl_to_start else None
+    ref_model = reference_model(model, init, args.fsdp, lora) if args.kl_beta > 0 or args.log_kl_to_start else None
     grader = Grader(args.reward, tok, device, rubric=args.rubric)  # its reward models stay whole on every rank
     engine = Engine(unwrap(model), tok, tools=TOOLS if args.tools else None, dtype=ENGINE_DTYPES[args.engine_dtype])
     logits_settings = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -482,8 +482,8 @@ def main():
         log.log(step + 1, **metrics)
         bar.set_postfix(reward=f"{metrics['reward']:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
         if (step + 1) % args.save_every == 0 or last:
-            save_checkpoint(out_dir, step + 1, model, tok, optimizer,
-                            {"run_config": vars(args), "train_seconds": train_clock, "idle_steps": idle_steps})
+            state = {"run_config": vars(args), "train_seconds": train_clock, "idle_steps": idle_steps}
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, state, lora=lora)
         if over_budget:
             print0(f"time budget of {args.time_budget:g} s spent after {step + 1} steps")
             break

@@ -255,8 +255,9 @@ def main():
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # a fresh score head starts at 0: every reward 0 at step 0
     # float32 master weights (LoRA: a frozen base in the compute dtype, float32 adapters and score head)
-    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp, save_dtype=args.save_dtype,
-                       lora=lora_options(args, resume=bool(ckpt)), head_precision=args.head_precision)
+    lora = lora_options(args, ckpt or init, resume=bool(ckpt))  # None without --lora-rank
+    model = load_model(ckpt or init, head="scalar", fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
+                       head_precision=args.head_precision)
     model.grad_checkpointing = args.grad_checkpointing
     if args.lm_coef:
         attach_vocab_head(model, init)
@@ -324,7 +325,7 @@ def main():
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['accuracy']:.2f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
-            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)}, lora=lora)
 
     if ev is None:  # resumed with no step left to train
         ev = evaluate_pairs(model, val_pairs)  # every rank its share

@@ -179,9 +179,9 @@ def main():
     ckpt = resume_checkpoint(out_dir) if args.resume else None
     peak_memory.check(memory_estimate(args, init, world_size=dist.world_size, cuda=device.type == "cuda"), device)
     # float32 master weights; under torchrun wrapped in DDP, or sharded with --fsdp
-    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype,
-                                  lora=lora_options(args, resume=bool(ckpt)), head_precision=args.head_precision),
-                       fsdp=args.fsdp)
+    lora = lora_options(args, ckpt or init, resume=bool(ckpt))  # None without --lora-rank
+    model = wrap_model(load_model(ckpt or init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
+                                  head_precision=args.head_precision), fsdp=args.fsdp)
     unwrap(model).grad_checkpointing = args.grad_checkpointing
     peak_lr = learning_rate(args.lr, "sft", unwrap(model))
     optimizer = make_optimizer(model, peak_lr, args.weight_decay)
@@ -227,7 +227,7 @@ def main():
         log.log(step + 1, **metrics)
         bar.set_postfix(loss=f"{loss_sum:.3f}", refresh=False)
         if (step + 1) % args.save_every == 0 or step + 1 == total_steps:
-            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)})
+            save_checkpoint(out_dir, step + 1, model, tok, optimizer, {"run_config": vars(args)}, lora=lora)
 
     # held-out: the validation loss, and (on the embedded world) answers graded, every rank its share
     scores = heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -157,16 +156,13 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
     tensor from the memory-mapped files: no rank ever holds the whole model.
     `path` may be a LoRA adapter folder (PEFT's format; adapter_chain): its base is loaded and every
     adapter of the chain merged into each weight in float32, then cast to `dtype`.
-    lora: LoRA training (a lora.LoRA: rank, alpha, targets, dropout, seed, resume): the base frozen in `dtype`,
+    lora: LoRA training (a lora.LoRA as lora_options resolves it for `path`): the base frozen in `dtype`,
     adapters (float32) on top: fresh ones (seeded), or with resume=True the adapter of `path` itself,
     unmerged, to continue training it (the adapters below it in the chain are merged)."""
     base, chain = adapter_chain(path)
     own = None
     if lora and lora.resume:
-        if not chain:
-            raise UserError(f"{path}: not a LoRA adapter folder; resume it without --lora-rank")
         chain, own = chain[:-1], read_adapter(chain[-1])
-        lora = replace(lora, rank=own[0]["r"], alpha=own[0]["lora_alpha"], targets=tuple(own[0]["target_modules"]))
     config = load_config(base, head)
     files = safetensors_files(base)
     with torch.device("meta"):
@@ -174,8 +170,7 @@ def load_hf(path, dtype=None, device="cpu", head=None, shard=None, lora=None):
     if lora:
         if dtype is not None:
             model.to(dtype)  # the frozen base in the compute dtype; the adapters float32 (add_lora)
-        # the folder the adapters apply to: a plain model, or the adapter folder they were started from
-        add_lora(model, replace(lora, base=own[0]["base_model_name_or_path"] if own else os.path.abspath(path)))
+        add_lora(model, lora)
     if shard is not None:  # every parameter is a fresh object after these: build the optimizer later
         if dtype is not None and not lora:
             model.to(dtype)
@@ -314,7 +309,7 @@ def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None, save
                head_precision="float32"):
     """A model folder loaded for this rank, on its device: whole, or with fsdp=True under torchrun built
     sharded (FSDP2, shard_model), each rank reading only its own slice of each tensor. `path` may be a
-    LoRA adapter folder (merged into its base in float32). lora (lora_options): LoRA training, the base
+    LoRA adapter folder (merged into its base in float32). lora (lora_options(args, path)): LoRA training, the base
     frozen in the compute dtype with float32 adapters on top (lora.add_lora). save_dtype (--save-dtype):
     the dtype its checkpoints ship in; "auto", the folder's own (bfloat16 for a Qwen3 download).
     head_precision (--head-precision): the LM head's matmul, in training and in the engine (model.head_logits)."""
@@ -327,19 +322,19 @@ def load_model(path, dtype=torch.float32, head=None, fsdp=False, lora=None, save
     model.head_precision = head_precision
     if lora:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        print0(f"LoRA rank {model.lora.rank} (alpha {model.lora.alpha:g}) on {','.join(model.lora.targets)}: "
+        print0(f"LoRA rank {lora.rank} (alpha {lora.alpha:g}) on {','.join(lora.targets)}: "
                f"{trainable:,} trainable parameters of {model.num_params():,} ({trainable / model.num_params():.2%}); "
                f"the base frozen in {str(dtype).removeprefix('torch.')}")
     return model
 
 
-def reference_model(model, init, fsdp=False):
-    """The frozen start a loss compares with: for a LoRA run the policy itself, to be called under
+def reference_model(model, init, fsdp=False, lora=None):
+    """The frozen start a loss compares with: for a LoRA run (lora: its settings) the policy itself, to be called under
     lora.adapters_off (an --init adapter was merged into the base, so the base IS the start, and nothing is
     loaded twice); else `init` loaded again, frozen, in the compute dtype. A no-op adapters_off on it
     costs nothing, so a stage writes `with adapters_off(ref): ref(...)` for both. Its head runs in the
     policy's head precision: the two log-probs of a KL or a DPO margin are then the same function."""
-    if getattr(unwrap(model), "lora", None):
+    if lora:
         return unwrap(model)
     return load_model(init, dtype=compute_dtype(dist_info().device), fsdp=fsdp,
                       head_precision=unwrap(model).head_precision).eval().requires_grad_(False)
@@ -348,10 +343,10 @@ def reference_model(model, init, fsdp=False):
 # ------------------------------------------------------------------------------------------------
 # Checkpoints: a model folder plus the training state, written atomically
 
-def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2):
+def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state=None, keep=2, lora=None):
     """Write run_path/checkpoints/step_XXXXXX/ : a Hugging Face folder (config.json, the safetensors
-    weights, tokenizer files: what transformers reads; a LoRA run's: its adapter folder in PEFT's format,
-    what peft reads), plus nanopost's training state: the optimizer
+    weights, tokenizer files: what transformers reads; a LoRA run's (lora: its settings, lora_options): its
+    adapter folder in PEFT's format, what peft reads), plus nanopost's training state: the optimizer
     (optimizer.pt, or under FSDP2 the sharded optimizer/ folder of torch.distributed.checkpoint, which a
     run on another number of ranks can load), trainer_state.json and rng_rank{r}.pt. The weights ship in the
     input's dtype (model.config.dtype: bfloat16 for a Qwen3 download); when that is not the float32 the model
@@ -372,9 +367,9 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
         barrier()
         if sharded or dist_info().is_main:  # sharded weights are gathered tensor by tensor, with every rank
             # a LoRA run saves its adapter only (PEFT's format), which names the frozen base it applies to
-            (save_adapter if getattr(gpt, "lora", None) else save_hf)(gpt, tmp, tokenizer)
+            save_adapter(gpt, tmp, lora, tokenizer) if lora else save_hf(gpt, tmp, tokenizer)
         shipped = getattr(torch, gpt.config.dtype) if gpt.config.dtype else None
-        master = optimizer is not None and not getattr(gpt, "lora", None) and shipped not in (
+        master = optimizer is not None and not lora and shipped not in (
             None, next(gpt.parameters()).dtype)
         if optimizer is not None and sharded:
             dcp.save({"optimizer": get_optimizer_state_dict(gpt, optimizer),
@@ -402,8 +397,8 @@ def save_checkpoint(run_path, step, model, tokenizer=None, optimizer=None, state
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            if getattr(gpt, "lora", None):  # the folders its adapter builds on must outlive their runs' rotation
-                pin_bases(gpt.lora.base, run_path)
+            if lora:  # the folders its adapter builds on must outlive their runs' rotation
+                pin_bases(lora.base, run_path)
             for old in list_checkpoints(run_path)[:-keep]:
                 if not live_dependents(old):  # a checkpoint another run's adapters are built on stays
                     shutil.rmtree(old, ignore_errors=True)

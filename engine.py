@@ -55,7 +55,7 @@ trainer will score: nothing is decoded to text and re-tokenized.
 """
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from common import compute_dtype, unwrap
-from lora import LoRALinear, add_lora, fuse_projections, lora_layers, stacked_rows
+from lora import LoRALinear, copy_lora_layers, fuse_projections, lora_layers, stacked_rows
 from model import GPT, HEAD_PRECISIONS, KVCache, apply_rope, attention_kernels, head_logits, process_logits, rms_norm
 from tokenizer import parse_tool_calls
 
@@ -359,15 +359,15 @@ class Engine:
         copy=True copies them even where they could be shared (a snapshot must not move with training)."""
         master = unwrap(self.model)
         params = dict(master.named_parameters())  # a tied head is listed once, as the embedding
-        lora = getattr(master, "lora", None)
+        adapters = lora_layers(master)
         if not copy and all(type(p.detach()) is torch.Tensor and p.dtype == self.dtype for p in params.values()) \
-                and not (lora and lora.dropout):
+                and not any(isinstance(m.dropout, nn.Dropout) for m in adapters):
             model = master  # already plain and in the compute dtype (float32 on CPU): share, copy nothing
         else:
             with torch.device("meta"):
                 model = GPT(master.config)
-            if lora:  # LoRA: the adapters too, unmerged, in the compute dtype (see decode_weights), no dropout
-                add_lora(model, replace(lora, dropout=0.0))
+            if adapters:  # LoRA: the adapters too, unmerged, in the compute dtype (see decode_weights), no dropout
+                copy_lora_layers(master, model)
             for name, p in params.items():
                 if name == "lm_head.weight":
                     continue  # an untied head is only ever used in its precision (below): no compute-dtype copy

@@ -3,7 +3,9 @@ LoRA: a frozen base and trainable low-rank adapters (Hu et al. 2021, https://arx
 every stage with the same flags (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets), and adapter
 folders in PEFT's format, which peft and vLLM (--enable-lora) load and which we load from them.
 
-- `add_lora(model, LoRA(rank))` freezes a GPT and wraps each targeted linear layer of its blocks in a `LoRALinear`.
+- `lora_options(args, path)`: a run's settings (LoRA), resolved against the folder it loads; the stage holds them
+  and passes them to each reader: the loader, the reference, the checkpoint (`save_adapter`).
+- `add_lora(model, lora)` freezes a GPT and wraps each targeted linear layer of its blocks in a `LoRALinear`.
 - `adapters_off(model)`: the base model for a block's duration. A LoRA run's reference policy (DPO, the
   GRPO KL term, PPO) is the policy with its adapters off, so no second model is ever loaded.
 - `save_adapter` / `read_adapter`: PEFT folders (adapter_config.json + adapter_model.safetensors); an
@@ -31,16 +33,17 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass
 class LoRA:
     """A LoRA run's settings, each under one name from its flag (--lora-rank: rank) to every reader: the
-    loader (checkpoint.load_hf), add_lora, the engine's copy, the adapter folder (PEFT names rank "r" in
-    adapter_config.json, the only other name it has). add_lora keeps it as `model.lora`, beside the adapters it
-    adds, as `model.config` describes the model; `base` is then the folder the adapters apply to."""
+    loader (checkpoint.load_hf), add_lora, the reference (checkpoint.reference_model), the adapter folder
+    (save_adapter; PEFT names rank "r" in adapter_config.json, the only other name it has). lora_options makes
+    them from the flags and resolves them against the folder the run loads; the stage passes them on, explicitly.
+    The engine reads no settings: it copies the LoRALinear layers it finds, each with its rank and alpha."""
     rank: int
-    alpha: float | None = None   # the update's scale is alpha / rank; None: 2 * rank
+    alpha: float | None = None   # the update's scale is alpha / rank; None (the flag's default): 2 * rank
     targets: tuple = LORA_TARGETS
     dropout: float = 0.0         # on the adapters' input, in training only
     seed: int = 0                # draws fresh adapters' A
     resume: bool = False         # continue the adapter of the folder being loaded, not fresh ones
-    base: str | None = None      # the folder the adapters apply to (checkpoint.load_hf sets it)
+    base: str | None = None      # the folder the adapters apply to (lora_options resolves it)
 
 
 class LoRALinear(nn.Module):
@@ -65,7 +68,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=base.weight.device, dtype=torch.float32)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=base.weight.device, dtype=torch.float32)
         nn.init.zeros_(self.lora_B.weight)
-        self.scaling = alpha / rank
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
 
@@ -97,7 +100,7 @@ def lora_init_tensors(model, seed=0) -> dict:
 def add_lora(model, lora: LoRA):
     """Freeze every parameter of `model` and wrap each targeted linear layer of every block in a LoRALinear
     (in place; on the meta device too). A reward model's or critic's score head stays trainable (it is
-    new). Sets `model.lora` to the settings, alpha filled in (2 * rank by default).
+    new). `lora` as lora_options resolves it (alpha filled in).
     Errors: a rank above a layer's smaller side (the update could not be low-rank); a target naming no
     layer."""
     rank, targets, dropout = lora.rank, list(lora.targets), lora.dropout
@@ -105,7 +108,7 @@ def add_lora(model, lora: LoRA):
     if unknown or not targets:
         raise UserError(f"--lora-targets {','.join(unknown) or '(none)'}: no such layer; valid names: "
                         f"{', '.join(LORA_TARGETS)}")
-    alpha = float(2 * rank if lora.alpha is None else lora.alpha)
+    alpha = float(lora.alpha)
     for p in model.parameters():
         p.requires_grad_(False)
     for block in model.model.layers:
@@ -121,11 +124,20 @@ def add_lora(model, lora: LoRA):
                 setattr(parent, name, LoRALinear(lin, rank, alpha, dropout))
     if model.config.head == "scalar":
         model.score.float().weight.requires_grad_(True)  # trained, so float32 like the adapters
-    model.lora = replace(lora, alpha=alpha, targets=tuple(targets))
 
 
 def lora_layers(model):
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def copy_lora_layers(source, model):
+    """Wrap each linear layer of `model` (a copy of `source`'s architecture: the engine's, on the meta device)
+    that is a LoRALinear in `source` in one of its own, with the same rank and alpha and no dropout (a sampler
+    is not trained). The adapters' weights are copied afterwards, by name, with every other parameter."""
+    for name, m in source.named_modules():
+        if isinstance(m, LoRALinear):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, LoRALinear(model.get_submodule(name), m.rank, m.alpha))
 
 
 @contextmanager
@@ -186,19 +198,29 @@ def add_lora_flags(parser):
                         help="comma-separated linear layers to adapt (default: every one in attention and MLP)")
 
 
-def lora_options(args, resume=False, scores_samples=False):
-    """The LoRA settings of a run (None without --lora-rank): resume=True continues the adapter of the
-    checkpoint being loaded instead of starting fresh ones. scores_samples: the stage trains on answers its own
-    engine sampled and recomputes their log-probs (RL, PPO), where dropout would make the trainer a random
-    function unlike the sampler (the ratio is not 1 at the start): --lora-dropout is refused there, as TRL's
-    GRPO and PPO turn dropout off."""
+def lora_options(args, path, resume=False, scores_samples=False):
+    """The LoRA settings of a run that loads the folder `path` (None without --lora-rank), resolved: alpha filled
+    in (2 * rank by default) and `base`, the folder the adapters apply to, set to `path`. resume=True continues
+    the adapter of `path` (the checkpoint being loaded) instead of starting fresh ones: rank, alpha, targets and
+    base are then the adapter's own. scores_samples: the stage trains on answers its own engine sampled and
+    recomputes their log-probs (RL, PPO), where dropout would make the trainer a random function unlike the
+    sampler (the ratio is not 1 at the start): --lora-dropout is refused there, as TRL's GRPO and PPO turn
+    dropout off."""
     if not getattr(args, "lora_rank", 0):
         return None
     if scores_samples and args.lora_dropout:
         raise UserError(f"--lora-dropout {args.lora_dropout}: this stage scores the answers its engine sampled, and "
                         f"dropout would make the trainer's log-probs differ from the sampler's at random; drop it")
-    return LoRA(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout, seed=args.seed,
+    lora = LoRA(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout, seed=args.seed,
                 targets=tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()), resume=resume)
+    if not resume:
+        return replace(lora, alpha=float(2 * lora.rank if lora.alpha is None else lora.alpha),
+                       base=os.path.abspath(path))
+    if not adapter_chain(path)[1]:
+        raise UserError(f"{path}: not a LoRA adapter folder; resume it without --lora-rank")
+    own = read_adapter(path)[0]  # (rsLoRA's scale folded into its alpha)
+    return replace(lora, rank=own["r"], alpha=own["lora_alpha"], targets=tuple(own["target_modules"]),
+                   base=own["base_model_name_or_path"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,10 +306,10 @@ def merged_updates(chain, params):
     return deltas, replaced
 
 
-def save_adapter(model, path, tokenizer=None):
-    """Write a LoRA model's adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors:
-    what peft.PeftModel.from_pretrained and vLLM's --enable-lora load) plus the tokenizer files; the
-    frozen base is not written: adapter_config.json names it (base_model_name_or_path). Keys are PEFT's:
+def save_adapter(model, path, lora, tokenizer=None):
+    """Write a LoRA model's adapter (lora: its settings, lora_options) as a PEFT folder (adapter_config.json,
+    adapter_model.safetensors: what peft.PeftModel.from_pretrained and vLLM's --enable-lora load) plus the
+    tokenizer files; the frozen base is not written: adapter_config.json names it (lora.base). Keys are PEFT's:
     base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight; a reward model's or critic's score
     head is saved whole (PEFT's modules_to_save). Under FSDP2 every rank calls it (rank 0 writes)."""
     writer = not dist.is_initialized() or dist.get_rank() == 0
@@ -301,7 +323,6 @@ def save_adapter(model, path, tokenizer=None):
         return
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    lora = model.lora
     cfg = {"peft_type": "LORA", "task_type": "CAUSAL_LM" if model.config.head == "lm" else "SEQ_CLS",
            "base_model_name_or_path": lora.base, "r": lora.rank, "lora_alpha": lora.alpha,
            "lora_dropout": lora.dropout, "target_modules": list(lora.targets), "bias": "none",

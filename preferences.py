@@ -197,16 +197,16 @@ def reference_of(idx, items, ref, ref_model, pad_id, capacity):
         return completion_logps(ref_model, both([items[i] for i in idx]), pad_id, "packed", capacity)[0].view(-1, 2)
 
 
-def pair_references(model, items, val_items, *, ref, init, fsdp, pad_id, capacity):
+def pair_references(model, items, val_items, *, ref, init, fsdp, lora, pad_id, capacity):
     """The reference, as (held-out [n_val, 2], training [n, 2] or None, frozen model or None). The starting
     policy's log-probs of both answers of every held-out item are computed now (the policy IS the reference
     at step 0). ref "precompute": the training items' too; "live": a frozen copy kept for live forwards
-    (checkpoint.reference_model: with LoRA, the policy itself with its adapters off); "none" (ORPO): only
-    the held-out implicit reward has one."""
+    (checkpoint.reference_model: with LoRA settings `lora`, the policy itself with its adapters off); "none"
+    (ORPO): only the held-out implicit reward has one."""
     val_ref = reference_logps(model, both(val_items), pad_id, capacity).view(-1, 2)
     if ref == "precompute":
         return val_ref, reference_logps(model, both(items), pad_id, capacity).view(-1, 2), None
-    return val_ref, None, reference_model(model, init, fsdp) if ref == "live" else None
+    return val_ref, None, reference_model(model, init, fsdp, lora) if ref == "live" else None
 
 
 def pass_at_start(model, tok, rows, *, max_new_tokens, tools):

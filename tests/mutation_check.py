@@ -463,6 +463,12 @@ MUTANTS = [
            "--lora-alpha never reaches the adapters: the scale is always 2"),
     Mutant("lora-dropout-ignored", "lora.py", "dropout=args.lora_dropout,", "dropout=0.0,",
            (W_LORA + "[lora-dropout_0.25]",), "--lora-dropout never reaches the adapters"),
+    Mutant("dpo-lora-checkpoint-is-a-full-model", "chat_dpo.py", '{"run_config": vars(args)}, lora=lora)',
+           '{"run_config": vars(args)})', ("tests/test_lora.py::test_every_stage_saves_its_adapter_and_resumes_it[dpo]",),
+           "a LoRA DPO run's checkpoints are written as full models, its adapters' keys in them: no peft or vLLM loads it"),
+    Mutant("lora-resume-rebases-the-adapter", "lora.py", 'base=own["base_model_name_or_path"])',
+           "base=os.path.abspath(path))", ("tests/test_lora.py::test_every_stage_saves_its_adapter_and_resumes_it[rm]",),
+           "a resumed LoRA run's adapters name the checkpoint they resumed from as their base, which merges them twice"),
     Mutant("cpu-autocast-ignored", "common.py", "dtype = dtype or train_dtype(dev)", "dtype = dtype or compute_dtype(dev)",
            ("tests/test_cpu_autocast.py::test_bfloat16_reaches_the_loss_and_repeats_itself",
             "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"
@@ -476,8 +482,8 @@ MUTANTS = [
            "        load_training_state(critic_ckpt, critic_opt, critic)", "        pass",
            (PPO_RESUME, "tests/test_resume.py::test_killed_run_resumes_exactly[ppo]"),
            "a resumed PPO run's critic starts a fresh AdamW: its moments are lost"),
-    Mutant("engine-samples-with-lora-dropout", "engine.py", 'and not (lora and lora.dropout):',
-           "and not (lora and False):",
+    Mutant("engine-samples-with-lora-dropout", "engine.py",
+           "and not any(isinstance(m.dropout, nn.Dropout) for m in adapters):", "and not any(False for m in adapters):",
            ("tests/test_lora.py::test_the_engine_samples_what_the_trainer_computes_with_random_adapters"
             "[qwen3-dropout]",),
            "the engine samples through the training model with its LoRA dropout on: another function than scored"),

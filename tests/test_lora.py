@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,11 +35,11 @@ def base_dir(tok, tmp_path_factory):
     return path
 
 
-def options(rank=4, alpha=8.0, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", resume=False,
+def options(path, rank=4, alpha=8.0, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", resume=False,
             dropout=0.0):
     class A:
         lora_rank, lora_alpha, lora_dropout, lora_targets, seed = rank, alpha, dropout, targets, 0
-    return lora_options(A, resume=resume)
+    return lora_options(A, path, resume=resume)
 
 
 def randomize_adapters(model, std=0.05, seed=1):
@@ -75,7 +76,7 @@ def test_merged_equals_hand_written_update_and_step0_is_the_base():
 
 def test_model_step0_adapters_off_and_trainable_set(tok, base_dir):
     base = load_model(base_dir)
-    model = load_model(base_dir, lora=options())
+    model = load_model(base_dir, lora=options(base_dir))
     x = torch.randint(0, tok.vocab_size, (2, 12))
     with torch.no_grad():
         ref = base(x)
@@ -95,10 +96,11 @@ def test_peft_loads_ours_and_we_load_peft(tok, base_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     transformers.logging.set_verbosity_error()
-    model = load_model(base_dir, lora=options(rank=4, alpha=8.0, targets="q_proj,v_proj,down_proj"))
+    lora = options(base_dir, rank=4, alpha=8.0, targets="q_proj,v_proj,down_proj")
+    model = load_model(base_dir, lora=lora)
     randomize_adapters(model)
     out = str(tmp_path / "ours")
-    save_adapter(model, out, tok)
+    save_adapter(model, out, lora, tok)
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["peft_type"] == "LORA" and cfg["task_type"] == "CAUSAL_LM" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
     assert cfg["base_model_name_or_path"] == os.path.abspath(base_dir)
@@ -123,7 +125,7 @@ def test_peft_loads_ours_and_we_load_peft(tok, base_dir, tmp_path):
             made.save_pretrained(theirs)
             want = made(x).logits
             for resume in (False, True):
-                ours = load_model(theirs, lora=options(resume=True)) if resume else load_model(theirs)
+                ours = load_model(theirs, lora=options(theirs, resume=True)) if resume else load_model(theirs)
                 torch.testing.assert_close(ours(x), want, atol=1e-5, rtol=1e-5)
 
 
@@ -139,7 +141,8 @@ def test_engine_equals_trainer_in_bfloat16_on_a_small_update(tok, tmp_path):
             if p.dim() == 2:
                 p.normal_(0, 0.15)
     save_hf(m0, str(tmp_path / "wide"), tok)
-    model = load_hf(str(tmp_path / "wide"), dtype=torch.bfloat16, lora=options(rank=8, alpha=16.0))
+    wide = str(tmp_path / "wide")
+    model = load_hf(wide, dtype=torch.bfloat16, lora=options(wide, rank=8, alpha=16.0))
     merged = load_hf(str(tmp_path / "wide"), dtype=torch.bfloat16)
     g, lost = torch.Generator().manual_seed(3), []
     with torch.no_grad():
@@ -172,22 +175,22 @@ def test_engine_equals_trainer_in_bfloat16_on_a_small_update(tok, tmp_path):
 
 def test_bad_inputs(tok, base_dir, tmp_path):
     with pytest.raises(UserError, match=r"--lora-rank 100 does not fit layer q_proj \(64 x 64\)"):
-        load_model(base_dir, lora=options(rank=100))
+        load_model(base_dir, lora=options(base_dir, rank=100))
     with pytest.raises(UserError, match="valid names: q_proj, k_proj"):
-        load_model(base_dir, lora=options(targets="qkv"))
+        load_model(base_dir, lora=options(base_dir, targets="qkv"))
     # an adapter trained on another base: refused, both shapes named
     other = str(tmp_path / "other")
     torch.manual_seed(0)
     cfg = tiny_config(tok.vocab_size)
     cfg.intermediate_size = 128
     save_hf(GPT(cfg), other, tok)
-    m = load_model(other, lora=options(targets="gate_proj"))
-    m.lora.base = base_dir
-    save_adapter(m, str(tmp_path / "ad"), tok)
+    lora = replace(options(other, targets="gate_proj"), base=base_dir)
+    m = load_model(other, lora=lora)
+    save_adapter(m, str(tmp_path / "ad"), lora, tok)
     with pytest.raises(UserError, match=r"128 x 64 .* the base has 96 x 64"):
         load_model(str(tmp_path / "ad"))
     with pytest.raises(UserError, match=r"is \(128, 4\), the model .* needs \(96, 4\)"):
-        load_model(str(tmp_path / "ad"), lora=options(resume=True))
+        load_model(str(tmp_path / "ad"), lora=options(str(tmp_path / "ad"), resume=True))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,7 +264,7 @@ def test_rl_on_an_sft_adapter_then_merge(sft_home, tok, tmp_path):
     kl = losses(tmp_path, "rl", key="kl")
     assert all(math.isfinite(v) for v in kl.values()) and max(kl.values()) > 0  # the KL term is live
     x = torch.randint(0, tok.vocab_size, (2, 9))
-    policy = load_model(sft, lora=options(rank=2))  # as chat_rl.py loads it
+    policy = load_model(sft, lora=options(sft, rank=2))  # as chat_rl.py loads it
     randomize_adapters(policy)
     with torch.no_grad(), adapters_off(policy):  # the reference is the SFT model, not the pre-SFT base
         torch.testing.assert_close(policy(x), load_model(sft)(x))
@@ -282,6 +285,46 @@ def test_rl_on_an_sft_adapter_then_merge(sft_home, tok, tmp_path):
     assert set(got) == set(w) and all(torch.allclose(got[k], w[k], atol=1e-6) for k in w)
     with torch.no_grad():
         torch.testing.assert_close(load_model(merged)(x), load_model(rl)(x))  # --init ADAPTER: merged the same way
+
+
+ROLLOUT = ["--num-prompts", "16", "--prompts-per-step", "2", "--max-new-tokens", "12", "--eval-problems", "0"]
+STAGE_RUNS = {  # a 2-step LoRA run of each other stage, from the SFT adapter: (script, flags, the run's folder)
+    "rm": ("chat_rm.py", ["--num-train", "32", "--num-val", "4", "--batch-size", "8", "--eval-every", "1000"], "rm"),
+    "dpo": ("chat_dpo.py", ["--num-train", "32", "--num-val", "4", "--batch-size", "8", "--eval-problems", "0"],
+            "dpo"),
+    "kto": ("chat_kto.py", ["--num-train", "32", "--num-val", "4", "--batch-size", "8", "--eval-problems", "0"],
+            "kto"),
+    "ppo": ("chat_ppo.py", [*ROLLOUT, "--samples-per-prompt", "2", "--truncated-reward", "-1"], "ppo"),
+}
+
+
+@pytest.mark.parametrize("stage", [s if s in ("rm", "dpo") else pytest.param(s, marks=pytest.mark.slow)
+                                   for s in STAGE_RUNS])  # kto and ppo as dpo and rl: runs/test.sh --all
+def test_every_stage_saves_its_adapter_and_resumes_it(sft_home, tmp_path, stage):
+    """The LoRA settings a stage resolves (lora_options) reach its checkpoint and its resume: each checkpoint is
+    an adapter folder over the stage's --init (PPO's critic one over --critic-init), and a run killed after step 1
+    and resumed logs step 2 as the whole run did (rank, alpha and targets read back from the adapter)."""
+    script, flags, folder = STAGE_RUNS[stage]
+    sft = os.path.join(sft_home, "sft", "default", "checkpoints", "step_000004")
+    flags = ["--init", sft, "--steps", "2", "--save-every", "1", "--lora-rank", "2", "--lora-alpha", "3",
+             "--lr", "1e-3", *flags] + (["--critic-init", sft] if stage == "ppo" else [])
+    run(script, flags, tmp_path / "whole")
+    run_dir = tmp_path / "whole" / folder / "default"
+    for ckpt in [run_dir / "checkpoints" / "step_000002"] + ([run_dir / "critic" / "checkpoints" / "step_000002"]
+                                                           if stage == "ppo" else []):
+        assert not (ckpt / "config.json").exists() and not (ckpt / "model.safetensors").exists()
+        cfg = json.load(open(ckpt / "adapter_config.json"))
+        assert (cfg["base_model_name_or_path"], cfg["r"], cfg["lora_alpha"]) == (sft, 2, 3.0), cfg
+    import shutil
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / folder / "default" / "checkpoints" / "step_000002")
+    if stage == "ppo":
+        shutil.rmtree(tmp_path / "resumed" / folder / "default" / "critic" / "checkpoints" / "step_000002")
+    run(script, flags + ["--resume"], tmp_path / "resumed")
+    key = "policy_loss" if stage == "ppo" else "loss"
+    assert losses(tmp_path / "resumed", folder, key=key)[2] == losses(tmp_path / "whole", folder, key=key)[2]
+    resumed = tmp_path / "resumed" / folder / "default" / "checkpoints" / "step_000002" / "adapter_config.json"
+    assert json.load(open(resumed))["base_model_name_or_path"] == sft  # the resumed adapter builds on --init still
 
 
 @pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
@@ -308,11 +351,12 @@ def test_reward_model_adapter_loads_in_peft(tok, tmp_path):
     with torch.no_grad():
         rm.score.weight.normal_(0, 0.5)
     save_hf(rm, str(tmp_path / "rm"), tok)
-    model = load_model(str(tmp_path / "rm"), head="scalar", lora=options(rank=4))
+    lora = options(str(tmp_path / "rm"), rank=4)
+    model = load_model(str(tmp_path / "rm"), head="scalar", lora=lora)
     randomize_adapters(model)
     with torch.no_grad():
         model.score.weight.add_(0.1)  # the score head trains too
-    save_adapter(model, str(tmp_path / "ad"), tok)
+    save_adapter(model, str(tmp_path / "ad"), lora, tok)
     assert json.load(open(tmp_path / "ad" / "adapter_config.json"))["task_type"] == "SEQ_CLS"
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "rm"), dtype=torch.float32)
     pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
@@ -327,7 +371,7 @@ def test_the_engine_shares_a_lora_base_instead_of_fused_copies(tok, base_dir, dt
     # the frozen base of a loaded LoRA model keeps q/k/v and gate/up as one tensor each (lora.fuse_projections):
     # the engine's fused decode weights are that memory itself, not copies (9 GB at Qwen3-8B, #51), with the base
     # frozen in the engine's dtype (float32 on CPU, bfloat16 on CUDA) or in another (its own copy, fused too)
-    model = load_hf(base_dir, dtype=dtype, lora=options(rank=4))
+    model = load_hf(base_dir, dtype=dtype, lora=options(base_dir, rank=4))
     prep = Engine(model, tok, dtype=dtype).prepare()
     layer, fused = model.model.layers[0], prep.weights["layers"][0]
     same = lambda a, b: a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -356,7 +400,8 @@ def test_the_engine_samples_what_the_trainer_computes_with_random_adapters(tok, 
     config = GPTConfig(vocab_size=tok.vocab_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, head_dim=16,
                        intermediate_size=96, max_seq_len=256, **extra)
     save_hf(GPT(config), str(tmp_path / "base"), tok)
-    model = load_hf(str(tmp_path / "base"), lora=options(rank=4, alpha=8.0, dropout=dropout)).train()
+    base = str(tmp_path / "base")
+    model = load_hf(base, lora=options(base, rank=4, alpha=8.0, dropout=dropout)).train()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for m in model.modules():
