@@ -5,7 +5,8 @@ held-out RL row is rendered as the prompt RL samples from, completed by the engi
 row's verifier.
 
     python chat_eval.py --model out/sft/default                  # greedy pass@1 on 200 held-out problems
-    python chat_eval.py --model PATH --samples 8 --temperature 1.0       # pass@1..8
+    python chat_eval.py --model PATH --samples 8 --temperature 1.0       # pass@1..8 and maj@8
+    python chat_eval.py --model PATH --data my_rl.jsonl          # your own rows, each graded by its verifier
     python chat_eval.py --compare out/rl/a out/rl/b --out cmp.json       # did a change help? (paired)
     python chat_eval.py --plot out/rl/default out/ppo/default --out curves.png   # the runs' curves
     python chat_eval.py --report                                 # every stage's eval.json -> report.json
@@ -29,6 +30,7 @@ import os
 
 from checkpoint import load_hf, load_tokenizer, resolve_model_path
 from common import UserError, check_flag_ranges, init_dist, nanopost_home, print0, run_main
+from data import load_rl
 from evaluation import evaluate_chat, paired_change
 from tasks import rl_prompts
 
@@ -231,7 +233,10 @@ def main():
     ap.add_argument("--report", nargs="*", metavar="RUN", help="gather every stage's eval.json into report.json; "
                     "or these runs' (e.g. sft/r1 rl/r1, under $NANOPOST_HOME), one row each")
     ap.add_argument("--run-name", default="default", help="run name, with --report")
-    ap.add_argument("--problems", type=int, default=None, help="held-out problems (default 200; 500 with --compare)")
+    ap.add_argument("--data", help="with --model: a JSONL of RL rows (prompt, verifier, ground_truth; chat_rl's "
+                    "--data format) to grade instead of the embedded world's held-out problems")
+    ap.add_argument("--problems", type=int, default=None,
+                    help="held-out problems (default 200; 500 with --compare; with --data: all its rows)")
     ap.add_argument("--samples", type=int, default=None,
                     help="answers per problem (default 1; with --compare 4, for the sampled pass@1)")
     ap.add_argument("--temperature", type=float, default=None,
@@ -249,6 +254,8 @@ def main():
     check_flag_ranges(args, greedy=True)
     if sum(map(bool, (args.model, args.compare, args.plot, args.report is not None))) != 1:
         ap.error("pass one of --model PATH, --compare RUN_A RUN_B, --plot RUN [RUN ...], --report [RUN ...]")
+    if args.data and not args.model:
+        ap.error("--data grades a --model on your rows: pass --model PATH with it")
     if args.report is not None:
         report(args.run_name, args.report, args.out)
     elif args.plot:
@@ -270,7 +277,8 @@ def main():
         dist = init_dist(args.device)
         path = resolve_model_path(named_run(args.model), "--model", head="lm")
         model, tok = load_hf(path, device=dist.device), load_tokenizer(path, "--model")
-        rows = rl_prompts("test", args.problems or 200)
+        rows = load_rl(args.data)[:args.problems] if args.data else rl_prompts("test", args.problems or 200)
+        print0(f"{len(rows)} problems" + (f" of {args.data}" if args.data else " held out from the embedded world"))
         m = evaluate_chat(model, tok, rows, num_samples=args.samples or 1, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p, use_tools=args.tools)
         print0(json.dumps({k: round(v, 4) for k, v in m.items()}, indent=2))
@@ -282,7 +290,7 @@ def main():
             if not isinstance(held, dict):
                 raise UserError(f"--out {args.out}: holds no JSON object to add the metrics to")
             if args.temperature:  # sampled: its pass@k as the RL stages name them (pass@1_t1), greedy keys kept
-                m = {f"{k}_t{args.temperature:g}": v for k, v in m.items() if k.startswith("pass@")}
+                m = {f"{k}_t{args.temperature:g}": v for k, v in m.items() if k.startswith(("pass@", "maj@"))}
             held.update({k: round(v, 4) for k, v in m.items()})
             with open(args.out, "w") as f:
                 json.dump(held, f, indent=2)

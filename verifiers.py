@@ -227,3 +227,26 @@ def has_format(verifier: str, answer: str) -> bool:
     """Whether an answer is in the verifier's format (a verifier without a format check: always)."""
     check = FORMATS.get(verifier)
     return True if check is None else check(answer)
+
+
+def _math_key(text: str):
+    if (got := extract_boxed(text)) is None:
+        return None
+    number = _math_number(_normalize_math(got))
+    return _normalize_math(got) if number is None else number
+
+
+FINAL_ANSWERS: dict[str, Callable[[str], object]] = {  # what a majority vote counts: keys equal when the answers are
+    "gsm8k": lambda text: None if (n := extract_gsm8k_answer(text)) is None else Decimal(n),  # 480 == 480.0
+    "boxed": _math_key,  # \frac{1}{2} == 0.5
+    "json": lambda text: None if (obj := _json_object(text)) is None else json.dumps(obj, sort_keys=True),
+    "code": lambda text: None if (code := last_python_block(text)) is None else code.strip(),
+}
+
+
+def final_answer(verifier: str, answer: str):
+    """The final answer a majority vote (maj@k) counts, as a hashable key: equal for answers the verifier reads as
+    the same (a verifier without a reading: the stripped answer); None where there is no answer to count.
+    Example: final_answer("gsm8k", "... so 12.\n#### 12.0") == final_answer("gsm8k", "#### 12") -> True."""
+    read = FINAL_ANSWERS.get(verifier)
+    return (answer.strip() or None) if read is None else read(answer)

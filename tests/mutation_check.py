@@ -469,6 +469,11 @@ MUTANTS = [
     Mutant("lora-resume-rebases-the-adapter", "lora.py", 'base=own["base_model_name_or_path"])',
            "base=os.path.abspath(path))", ("tests/test_lora.py::test_every_stage_saves_its_adapter_and_resumes_it[rm]",),
            "a resumed LoRA run's adapters name the checkpoint they resumed from as their base, which merges them twice"),
+    Mutant("majority-is-any-right-answer", "evaluation.py", "    return scores[winner] == 1.0",
+           "    return any(s == 1.0 for s in scores)",
+           ("tests/test_majority.py::test_the_vote_rule_on_hand_made_cases",
+            "tests/test_majority.py::test_chat_eval_data_grades_your_rows_and_counts_the_votes"),
+           "maj@k counts a problem right when any sample is: pass@k under another name"),
     Mutant("cpu-autocast-ignored", "common.py", "dtype = dtype or train_dtype(dev)", "dtype = dtype or compute_dtype(dev)",
            ("tests/test_cpu_autocast.py::test_bfloat16_reaches_the_loss_and_repeats_itself",
             "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"
