@@ -89,7 +89,7 @@ def reward_loss(rewards_chosen, rewards_rejected, margin=None, center_coef=None)
     drifts freely: a score from one batch cannot be compared with one from another, and an RL reward
     wanders. center_coef * mean((r_c + r_r)^2) (0.01 recommended, TRL's center_rewards_coefficient)
     pins the mean score near 0 without touching the ranking. `margin` (Llama 2) asks for a bigger gap
-    on pairs the labelers were surer about.
+    on pairs the labelers were surer about: graded preferences, a `margin` number on each --data row.
 
     Example: pairs A..D with margins +1.70, +0.35, +1.40, +0.85 lose 0.1678, 0.5334,
     0.2204, 0.3559: total 1.2775. Score D backwards (-0.85) and it loses 1.2059: total 2.1275, an
@@ -148,8 +148,8 @@ def rm_example(tok, prompt, answer, tools=None):
 # Data
 
 def render_pairs(tok, rows, max_len):
-    """Each row -> (chosen ids, rejected ids, kind, chosen targets). A pair with a side longer than
-    max_len is dropped and counted: cropping it would cut off the <|im_end|> the reward is read at."""
+    """Each row -> (chosen ids, rejected ids, kind, chosen targets, margin: the row's, 0 without one). A pair with a
+    side longer than max_len is dropped and counted: cropping it would cut off the <|im_end|> the reward is read at."""
     pairs, dropped = [], 0
     for r in rows:
         c, c_targets = rm_example(tok, r["prompt"], r["chosen"], r.get("tools"))
@@ -157,7 +157,7 @@ def render_pairs(tok, rows, max_len):
         if max(len(c), len(j)) > max_len:
             dropped += 1
             continue
-        pairs.append((c, j, r.get("kind", "all"), c_targets))
+        pairs.append((c, j, r.get("kind", "all"), c_targets, r.get("margin", 0.0)))
     return pairs, dropped
 
 
@@ -240,8 +240,10 @@ def main():
     if not train_pairs:
         raise UserError(f"no training pair fits in --max-len {args.max_len}")
     n_tokens = sum(len(p[0]) + len(p[1]) for p in train_pairs)
+    graded = any(p[4] for p in train_pairs)  # graded preferences: the data's margins reach the loss
     print0(f"data: {len(train_pairs)} training pairs ({n_tokens:,} tokens), {len(val_pairs)} held-out"
-           + (f"; {dropped} dropped for exceeding --max-len {args.max_len}" if dropped else ""))
+           + (f"; {dropped} dropped for exceeding --max-len {args.max_len}" if dropped else "")
+           + ("; graded: each pair's margin is the gap its loss asks for" if graded else ""))
 
     per_step = args.batch_size
     if per_step < dist.world_size:
@@ -300,7 +302,8 @@ def main():
                 chosen, rejected = values[:n], values[n:]
                 # reward_loss is a mean over this micro-batch's pairs; weighting it by n / per_step makes the
                 # sum over micro-batches and ranks the mean over the global batch (see common.py)
-                rm_loss = reward_loss(chosen, rejected, center_coef=args.center_coef) * (n / per_step)
+                margin = torch.tensor([p[4] for p in micro], device=device) if graded else None
+                rm_loss = reward_loss(chosen, rejected, margin=margin, center_coef=args.center_coef) * (n / per_step)
                 lm_loss = lm_regularizer(target_logprobs, n_graded) if args.lm_coef else torch.zeros((), device=device)
                 loss = rm_loss + args.lm_coef * lm_loss
                 check_finite(loss, step + 1)

@@ -13,6 +13,7 @@ A malformed line is a UserError naming the file and the line ("rl.jsonl:17: miss
 nothing is skipped silently. An RL row's ground truth is checked against its verifier up front.
 """
 import json
+import math
 import os
 from typing import Callable
 
@@ -153,7 +154,11 @@ def preference_row(row: dict) -> dict:
             raise ValueError(f"{field!r} must start with an assistant message after the prompt")
     if chosen == rejected:
         raise ValueError("'chosen' and 'rejected' are identical")
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **_tools(row)}
+    margin = row.get("margin", 0.0)  # graded preferences: how much surer the labelers were (Llama 2's margin)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ValueError(f"'margin' must be a finite number (the gap the reward model's loss asks for), got {margin!r}")
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **_tools(row),
+            **({"margin": float(margin)} if "margin" in row else {})}
 
 
 def kto_rows(row: dict) -> list[dict]:

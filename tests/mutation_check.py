@@ -474,6 +474,10 @@ MUTANTS = [
            ("tests/test_majority.py::test_the_vote_rule_on_hand_made_cases",
             "tests/test_majority.py::test_chat_eval_data_grades_your_rows_and_counts_the_votes"),
            "maj@k counts a problem right when any sample is: pass@k under another name"),
+    Mutant("rm-margin-never-reaches-the-loss", "chat_rm.py", "for p in micro], device=device) if graded else None",
+           "for p in micro], device=device) if False else None",
+           ("tests/test_wiring_rm.py::test_a_margin_column_reaches_the_loss",),
+           "a --data row's margin is read and never reaches the reward model's loss"),
     Mutant("cpu-autocast-ignored", "common.py", "dtype = dtype or train_dtype(dev)", "dtype = dtype or compute_dtype(dev)",
            ("tests/test_cpu_autocast.py::test_bfloat16_reaches_the_loss_and_repeats_itself",
             "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"

@@ -105,7 +105,7 @@ def test_lm_regularizer_is_the_chat_models_loss_on_the_chosen_answers(tok, tmp_p
     that model's own mean next-token loss over exactly the answers' tokens (and <|im_end|>)."""
     rows = preference_pairs("train", 6)
     pairs, _ = render_pairs(tok, rows, 1024)
-    for (c, _, _, targets), r in zip(pairs, rows):  # the graded targets are the answer and its end of turn
+    for (c, _, _, targets, _), r in zip(pairs, rows):  # the graded targets are the answer and its end of turn
         graded = [t for t in targets if t != IGNORE]
         assert tok.decode(graded) == r["chosen"][0]["content"] + "<|im_end|>"
         assert all(t == IGNORE or t == c[i + 1] for i, t in enumerate(targets))
@@ -127,7 +127,7 @@ def test_lm_regularizer_is_the_chat_models_loss_on_the_chosen_answers(tok, tmp_p
             got = lm_regularizer(target_logprobs, n)
             # the chat model's own summed next-token loss, from its full logits
             want = sum(F.cross_entropy(lm(torch.tensor([c]))[0], torch.tensor(t), ignore_index=IGNORE, reduction="sum")
-                       for c, _, _, t in pairs) / n
+                       for c, _, _, t, _ in pairs) / n
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

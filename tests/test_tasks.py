@@ -262,6 +262,8 @@ BAD_LINES = [  # (loader, bad line, what the message must say)
     (load_preferences, '{"prompt": "q", "chosen": "a"}', "missing key 'rejected'"),
     (load_preferences, '{"chosen": "a", "rejected": "b"}', "share no leading messages"),
     (load_preferences, '{"prompt": "q", "chosen": "a", "rejected": "a"}', "identical"),
+    (load_preferences, '{"prompt": "q", "chosen": "a", "rejected": "b", "margin": "big"}', "'margin' must be a"),
+    (load_preferences, '{"prompt": "q", "chosen": "a", "rejected": "b", "margin": NaN}', "'margin' must be a"),
     (load_preferences, '{"prompt": "q", "chosen": 1, "rejected": "b"}', "'chosen' must be a string or"),
     (load_preferences, '{"prompt": "q", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}',
      "'chosen' must start with an assistant message"),

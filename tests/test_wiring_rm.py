@@ -4,6 +4,8 @@ from the base command; spies record each pass's scores, its LM log-probs and the
 test recomputes that loss from the definitions: Bradley-Terry -log sigmoid(r_c - r_r) plus --center-coef x
 (r_c + r_r)^2, a mean over the step's pairs, plus --lm-coef x the chosen answers' NLL divided by the graded
 tokens of the whole step (every pass); and --kinds is the mix of pairs it trains on."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,3 +83,30 @@ def test_the_lm_normalizer_counts_the_graded_tokens_of_every_rank(monkeypatch, t
     graded_here = sum(int((p.out[2] != IGNORE).sum()) for p in packed)  # this rank's share of the step
     assert lm and all(call.args[1] > graded_here for call in lm)
     assert all(call.args[1] == lm[0].args[1] for call in lm)  # one denominator for the whole step
+
+
+def test_a_margin_column_reaches_the_loss(monkeypatch, tmp_path, chat, tok):
+    """Graded preferences: each --data row's `margin` is the gap its pair's Bradley-Terry loss asks for,
+    -log sigmoid(r_c - r_r - margin). At step 1 the fresh score head scores every answer 0, so each pass's loss
+    is the mean of softplus(margin) over its pairs, a number by hand: margin 0 -> log 2 = 0.6931, 1.5 -> 1.7014.
+    Every row's margin is used once in the epoch's two steps of 4 pairs."""
+    import json
+
+    from tasks import preference_pairs
+    margins = [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]
+    fits = [r for r in preference_pairs("train", 32, seed=0) if chat_rm.render_pairs(tok, [r], 512)[0]]
+    rows = [{**r, "margin": m} for r, m in zip(fits, margins)]
+    data = tmp_path / "graded.jsonl"
+    data.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected", "margin")}) + "\n"
+                            for r in rows))
+    bt = spy(monkeypatch, chat_rm, "reward_loss")
+    argv = ["--init", chat, *BASE, "--data", str(data), "--eval-data", str(data), "--lm-coef", "0", "--center-coef",
+            "0", "--lr", "1e-3"]
+    run_stage(monkeypatch, tmp_path, chat_rm, *argv)
+    assert sorted(float(m) for call in bt for m in call.kwargs["margin"]) == margins  # each row's margin, once
+    for call in bt:
+        chosen, rejected = call.args
+        torch.testing.assert_close(call.out, -F.logsigmoid(chosen - rejected - call.kwargs["margin"]).mean())
+    first = [call for call in bt if not call.args[0].any()]  # step 1: the fresh head scores 0
+    assert first and all(abs(c.out.item() - F.softplus(c.kwargs["margin"]).mean().item()) < 1e-6 for c in first)
+    assert abs(F.softplus(torch.tensor(1.5)).item() - 1.7014) < 1e-4 and abs(math.log(2) - 0.6931) < 1e-4
