@@ -124,8 +124,8 @@ def heldout_scores(model, tok, rows, *, max_new_tokens, samples=4, temperature=1
                    seed=0, use_tools=False, label=None) -> dict:
     """What a stage reports on held-out problems: greedy pass@1, format and stop rates, and pass@1..samples
     and maj@samples at `temperature` (keys suffixed _t1 at T=1); with use_tools, each one's tool-use rate
-    (tool_use_rate, tool_use_rate_t1) and the greedy answers' tool errors. Every stage that samples reports the same keys
-    the same way, so report.json compares them (SFT, RL and PPO with the calculator offered alike).
+    (tool_use_rate, tool_use_rate_t1) and the greedy answers' tool errors. Every stage that samples reports the
+    same keys the same way, so report.json compares them (SFT, RL and PPO with the calculator offered alike).
     label: print the scores on one line after it (e.g. "eval @ step 20"), with the seconds they took."""
     t0 = time.time()
     greedy = evaluate_chat(model, tok, rows, max_new_tokens=max_new_tokens, use_tools=use_tools)
