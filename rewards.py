@@ -8,8 +8,10 @@ Graders: who decides what an answer is worth. One home for every reward a sampli
 - The judge: a local chat model grades each answer against a rubric file (`load_judge`, `load_rubric`,
   `judge_scores`: one batched greedy engine call per batch). Its last line must be a verdict in a strict
   form; a reply without one scores 0 and is counted.
-- `Grader`: what `--reward` means in the sampling stages, a weighted sum of those graders, e.g.
-  `verifier` (the default), `verifier+0.1*format`, `rm:PATH`, `0.5*verifier+0.5*rm:PATH`. It grades a
+- The length reward: Kimi k1.5's, within the answers to one prompt, short right answers up, long ones down
+  (`length_reward`), a budget on thinking that the group sets.
+- `Grader`: what `--reward` means in the sampling stages, a weighted sum of those graders, e.g. `verifier`
+  (the default), `verifier+0.1*format`, `rm:PATH`, `0.5*verifier+0.5*rm:PATH`, `verifier+0.5*length`. It grades a
   whole batch in one call and returns every component too, so each can be logged on its own.
 """
 import os
@@ -154,20 +156,22 @@ def load_judge(path: str, device="cpu"):
 # -----------------------------------------------------------------------------
 # --reward: a weighted sum of graders, graded a batch at a time
 
-_TERM = re.compile(r"^(?:([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*\*\s*)?(verifier|format|rm:.+|judge:.+)$")
+_TERM = re.compile(r"^(?:([-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?)\s*\*\s*)?"
+                   r"(verifier|format|length|rm:.+|judge:.+)$")
 
 
 def parse_reward(spec: str) -> list[tuple[float, str]]:
     """'verifier+0.1*format' -> [(1.0, 'verifier'), (0.1, 'format')]. Terms are joined by '+', each an
     optional weight and '*' before a grader: `verifier` (the row's verifier, 0 or 1), `format` (1 when the
-    answer is in the verifier's format), `rm:PATH` (a reward model's score), `judge:PATH` (a chat model's
-    verdict against --rubric, in [0, 1]). A negative weight penalizes."""
+    answer is in the verifier's format), `length` (Kimi k1.5's length reward, length_reward), `rm:PATH` (a reward
+    model's score), `judge:PATH` (a chat model's verdict against --rubric, in [0, 1]). A negative weight penalizes."""
     terms = []
     for part in spec.split("+"):
         m = _TERM.match(part.strip())
         if not m:
             raise UserError(f"--reward {spec!r}: cannot read {part.strip()!r}; terms are [WEIGHT*]GRADER joined by "
-                            f"'+', a grader being verifier, format, rm:PATH or judge:PATH (e.g. verifier+0.1*format)")
+                            f"'+', a grader being verifier, format, length, rm:PATH or judge:PATH "
+                            f"(e.g. verifier+0.1*format)")
         terms.append((float(m.group(1)) if m.group(1) else 1.0, m.group(2)))
     names = [name for _, name in terms]
     if len(set(names)) != len(names):
@@ -180,6 +184,25 @@ def grader_shapes(reward_spec: str) -> list[Shape]:
     peak_memory.estimate counts for them."""
     return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1], flag=name.split(":", 1)[0] + ":")))
             for _, name in parse_reward(reward_spec) if ":" in name]
+
+
+def length_reward(lengths: list, correct: list, groups: list) -> list[float]:
+    """Kimi k1.5's length reward (Kimi Team 2025, arXiv:2501.12599, section 2.3.3), per answer, among the answers
+    of its group (the answers to one question): lambda = 0.5 - (len - min_len) / (max_len - min_len); a right answer
+    gets lambda, a wrong one min(0, lambda), and every answer of a group whose lengths are all equal 0. So the
+    shorter of two right answers gains and a long wrong one loses, but a short wrong one is never paid.
+    Example, one group: lengths [10, 20, 30], correct [True, True, False] -> [0.5, 0.0, -0.5];
+    correct [False, False, True] -> [0.0, 0.0, -0.5]. Kimi warms up without it, then adds it at a constant weight."""
+    by_group = {}
+    for g, n in zip(groups, lengths):
+        low, high = by_group.get(g, (n, n))
+        by_group[g] = (min(low, n), max(high, n))
+    out = []
+    for g, n, right in zip(groups, lengths, correct):
+        low, high = by_group[g]
+        lam = 0.0 if high == low else 0.5 - (n - low) / (high - low)
+        out.append(lam if right else min(0.0, lam))
+    return out
 
 
 @dataclass
@@ -211,12 +234,17 @@ class Grader:
         grades = Grades(total=torch.zeros(len(completions)))
         # answers with no final answer their verifier can read: a model that never writes one learns nothing
         grades.counts["ungradable"] = float(sum(not has_format(r["verifier"], t) for r, t in zip(rows, texts)))
+        if {name for _, name in self.terms} & {"verifier", "length"}:  # the length reward needs right and wrong too
+            verified, errors, counts = verify_batch([r["verifier"] for r in rows], texts,
+                                                    [r["ground_truth"] for r in rows])
+            grades.errors += [f"{r['verifier']}: {e}" for r, e in zip(rows, errors) if e is not None]
+            grades.counts.update({f"code/{k}": v for k, v in counts.items()})  # how code answers' sandboxes ended
         for weight, name in self.terms:
             if name == "verifier":
-                part, errors, counts = verify_batch([r["verifier"] for r in rows], texts,
-                                                    [r["ground_truth"] for r in rows])
-                grades.errors += [f"{r['verifier']}: {e}" for r, e in zip(rows, errors) if e is not None]
-                grades.counts.update({f"code/{k}": v for k, v in counts.items()})  # how code answers' sandboxes ended
+                part = verified
+            elif name == "length":  # a group: the answers to one prompt (its token ids) in this batch
+                part = length_reward([len(c.tokens) for c in completions], [v == 1.0 for v in verified],
+                                     [tuple(p) for p in prompts])
             elif name == "format":
                 part = [float(has_format(row["verifier"], text)) for row, text in zip(rows, texts)]
             elif name in self.models:  # one batched pass of the reward model over prompt + answer

@@ -478,6 +478,9 @@ MUTANTS = [
            "for p in micro], device=device) if False else None",
            ("tests/test_wiring_rm.py::test_a_margin_column_reaches_the_loss",),
            "a --data row's margin is read and never reaches the reward model's loss"),
+    Mutant("length-reward-pays-short-wrong-answers", "rewards.py", "out.append(lam if right else min(0.0, lam))",
+           "out.append(lam)", ("tests/test_judge.py::test_kimis_length_reward_by_hand_and_through_the_grader",),
+           "Kimi's length reward pays a short wrong answer: the cheapest reward is to answer at once, wrongly"),
     Mutant("cpu-autocast-ignored", "common.py", "dtype = dtype or train_dtype(dev)", "dtype = dtype or compute_dtype(dev)",
            ("tests/test_cpu_autocast.py::test_bfloat16_reaches_the_loss_and_repeats_itself",
             "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"

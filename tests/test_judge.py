@@ -192,3 +192,32 @@ def test_grader_weighs_and_returns_every_component(tok, tmp_path, monkeypatch):
     assert g.counts["judge/unparseable"] == 0 and g.counts["code/pass"] == 0
     with pytest.raises(UserError, match="--rubric"):
         Grader("judge:J", tok)
+
+
+def test_kimis_length_reward_by_hand_and_through_the_grader(tok):
+    """--reward verifier+0.5*length: Kimi k1.5's length reward, lambda = 0.5 - (len - min) / (max - min) within the
+    answers to one prompt, lambda for a right answer, min(0, lambda) for a wrong one, 0 where a group's answers
+    are equally long; groups are the answers to the same prompt, wherever they stand in the batch."""
+    from engine import Completion
+    from rewards import Grader, length_reward
+    assert length_reward([10, 20, 30], [True, True, False], [0, 0, 0]) == [0.5, 0.0, -0.5]
+    assert length_reward([10, 20, 30], [False, False, True], [0, 0, 0]) == [0.0, 0.0, -0.5]
+    assert length_reward([7, 7], [True, False], ["a", "a"]) == [0.0, 0.0]
+    assert length_reward([10, 40, 20, 30], [True, True, False, True], [0, 1, 0, 1]) == [0.5, -0.5, -0.5, 0.5]
+    grader = Grader("verifier+0.5*length", tok)
+    q1 = {"prompt": [{"role": "user", "content": "9 + 10?"}], "ground_truth": "19", "verifier": "gsm8k"}
+    q2 = {"prompt": [{"role": "user", "content": "2 + 2?"}], "ground_truth": "4", "verifier": "gsm8k"}
+    answers = [(q1, "#### 19"), (q2, "It is 4.\n#### 4"), (q1, "Nine and ten make nineteen.\n#### 19"),
+               (q2, "#### 5"), (q1, "So #### 18")]
+    rows = [r for r, _ in answers]
+    prompts = [tok.render_for_completion(r["prompt"]) for r in rows]
+    comps = [Completion(i, tokens=tok.encode(a) + [tok.eos_id]) for i, (_, a) in enumerate(answers)]
+    g = grader(rows, prompts, comps)
+    n = [len(c.tokens) for c in comps]
+    lo1, hi1, lo2, hi2 = min(n[0], n[2], n[4]), max(n[0], n[2], n[4]), min(n[1], n[3]), max(n[1], n[3])
+    want = [0.5 - (n[0] - lo1) / (hi1 - lo1), 0.5 - (n[1] - lo2) / (hi2 - lo2), 0.5 - (n[2] - lo1) / (hi1 - lo1),
+            min(0.0, 0.5 - (n[3] - lo2) / (hi2 - lo2)), min(0.0, 0.5 - (n[4] - lo1) / (hi1 - lo1))]
+    assert g.parts["verifier"].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    torch.testing.assert_close(g.parts["length"], torch.tensor(want))
+    torch.testing.assert_close(g.total, g.parts["verifier"] + 0.5 * torch.tensor(want))
+    assert g.parts["length"][0] == 0.5 and g.parts["length"][2] == -0.5  # q1's shortest right, longest right
