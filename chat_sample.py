@@ -21,7 +21,10 @@ the SFT loss would teach the model to stop where it was cut off.
                        tokens that were sampled (a call that does not parse is not written)
     --pairs-out FILE   preference pairs {"prompt", "chosen", "rejected"} that `chat_dpo.py --data FILE`
                        trains on: per prompt, its best answer against its worst, only where they differ
-                       in reward (a group whose answers all scored alike gives no pair)
+                       in reward (a group whose answers all scored alike gives no pair); with
+                       --pairs-judge PATH --rubric FILE, a judge model chooses instead: per prompt, its first
+                       two different answers, asked in both orders (rewards.judge_pairs), the pair kept only
+                       where both verdicts agree (a judge that picks a position, not an answer, is dropped)
 
 Example: 4 answers with rewards [1, 0, 1, 0] (the third a repeat of the first): --keep verified
 --max-per-prompt 2 keeps answer 0 only (answer 2 is the same text); --max-per-prompt 1 keeps answer 0;
@@ -33,6 +36,7 @@ Example: 4 answers with rewards [1, 0, 1, 0] (the third a repeat of the first): 
     python chat_sample.py --init /models/my-rl --data rl.jsonl --device cuda --out rs.jsonl   # 1 GPU
     torchrun --standalone --nproc_per_node=8 chat_sample.py --init ... --data rl.jsonl --out rs.jsonl  # N GPUs
     python chat_sample.py --reward rm:out/rm/default --keep best --out bon.jsonl      # best-of-n by a reward model
+    python chat_sample.py --samples 2 --pairs-out p.jsonl --pairs-judge /models/judge --rubric rubric.txt  # AI labels
 
 Prompts: the embedded world's training problems (--num-prompts), or --data FILE.jsonl with chat_rl.py's
 rows ({"prompt", "ground_truth", "verifier"}, or verl's). Under torchrun each rank samples its share of
@@ -49,8 +53,8 @@ from common import (UserError, all_gather_objects, check_flag_ranges, init_dist,
                     run_main, seed_everything)
 from data import load_rl
 from engine import Engine
-from rewards import Grader, parse_reward
-from sampled_data import KEEP, build_rows, sample_groups
+from rewards import Grader, judge_pairs, load_judge, load_rubric, parse_reward
+from sampled_data import KEEP, build_rows, sample_groups, two_to_compare
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 
 parser = argparse.ArgumentParser(description="sample k answers per prompt, grade them, keep the verified or the best")
@@ -74,6 +78,8 @@ parser.add_argument("--threshold", type=float, default=1.0, help="--keep verifie
 parser.add_argument("--max-per-prompt", type=int, default=1, help="SFT rows per prompt, at most")
 parser.add_argument("--out", default=None, help="SFT JSONL to write (chat_sft.py --data)")
 parser.add_argument("--pairs-out", default=None, help="preference-pair JSONL to write (chat_dpo.py --data)")
+parser.add_argument("--pairs-judge", default=None, help="with --pairs-out and --rubric: a judge model chooses each "
+                    "pair's winner, asked in both orders (default: the reward)")
 parser.add_argument("--tools", action="store_true", help="offer the calculator: multi-turn answers, written as "
                     "the assistant and tool messages they are")
 parser.add_argument("--max-tool-turns", type=int, default=6)
@@ -88,6 +94,25 @@ def write_jsonl(path, rows):
             f.write(json.dumps(row) + "\n")
 
 
+def judged_pairs(rows, groups, judge_path, rubric, tools=None):
+    """Preference pairs a judge labelled: per prompt its first two different finished answers (two_to_compare),
+    asked in both orders; kept where both verdicts agree, the winner chosen. Returns the pairs and the counts."""
+    writable = {p: [f and m is not None for f, m in zip(g[2], g[3])] for p, g in groups.items()}  # as build_rows
+    asked = [(p, *ij) for p in sorted(groups) if (ij := two_to_compare(groups[p][1], writable[p])) is not None]
+    model, tok = load_judge(judge_path)
+    prefs, counts = judge_pairs(model, tok, [rows[p]["prompt"] for p, _, _ in asked],
+                                [groups[p][1][i] for p, i, _ in asked], [groups[p][1][j] for p, _, j in asked],
+                                load_rubric(rubric))
+    pairs = []
+    for (p, i, j), pref in zip(asked, prefs):
+        if pref in (0.0, 1.0):  # both orders agree
+            chosen, rejected = (i, j) if pref == 1.0 else (j, i)
+            schemas = rows[p].get("tools") or tools
+            pairs.append({"prompt": rows[p]["prompt"], "chosen": groups[p][3][chosen],
+                          "rejected": groups[p][3][rejected], **({"tools": schemas} if schemas else {})})
+    return pairs, {"asked": len(asked), **counts}
+
+
 def main():
 
     args = parser.parse_args()
@@ -99,6 +124,8 @@ def main():
         raise UserError(f"--samples {args.samples} and --max-per-prompt {args.max_per_prompt} must be at least 1")
     if args.pairs_out and args.samples < 2:
         raise UserError("--pairs-out needs at least 2 --samples per prompt to compare")
+    if args.pairs_judge and not (args.pairs_out and args.rubric):
+        raise UserError("--pairs-judge labels the pairs of --pairs-out against a --rubric FILE: pass both")
     parse_reward(args.reward)
     if args.data:
         rows = load_rl(args.data)
@@ -137,6 +164,11 @@ def main():
             print(f"warning: --out {args.out} gets no row: --keep {args.keep} kept no answer of {c['prompts']} "
                   f"prompts; "
                   f"sample more (--samples, --num-prompts), --keep best, or a stronger --init", file=sys.stderr)
+        if args.pairs_judge:  # the pairs a judge chose, in place of the reward's
+            pairs, judged = judged_pairs(rows, merged, args.pairs_judge, args.rubric, schemas)
+            print(f"the judge compared {judged['asked']} pairs in both orders: {judged['inconsistent']} inconsistent "
+                  f"(its verdict followed the position), {judged['unparseable']} verdicts unreadable, "
+                  f"{judged['too_long']} too long to ask; {len(pairs)} kept")
         if args.pairs_out and not pairs:
             print(f"warning: --pairs-out {args.pairs_out} gets no pair: no prompt's finished answers differ in reward; "
                   f"sample more (--samples, --num-prompts) or another --reward", file=sys.stderr)
@@ -146,7 +178,8 @@ def main():
                   f"of {c['prompts']} prompts kept an answer) -> {args.out}")
         if args.pairs_out:
             write_jsonl(args.pairs_out, pairs)
-            print(f"{len(pairs)} preference pairs (best vs worst, rewards differing) -> {args.pairs_out}")
+            how = "chosen by the judge" if args.pairs_judge else "best vs worst, rewards differing"
+            print(f"{len(pairs)} preference pairs ({how}) -> {args.pairs_out}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,14 @@ def preference_pair(rewards, texts, finished):
     return best, worst
 
 
+def two_to_compare(texts, finished):
+    """(i, j) for one prompt: its first two finished answers that say different things, the two a pairwise judge
+    compares (chat_sample.py --pairs-judge); None with fewer. Example: texts [a, a, b], all finished -> (0, 2)."""
+    done = [i for i in range(len(texts)) if finished[i]]
+    second = next((j for j in done if texts[j] != texts[done[0]]), None) if done else None
+    return None if second is None else (done[0], second)
+
+
 # ------------------------------------------------------------------------------------------------
 # Sampling
 

@@ -481,6 +481,9 @@ MUTANTS = [
     Mutant("length-reward-pays-short-wrong-answers", "rewards.py", "out.append(lam if right else min(0.0, lam))",
            "out.append(lam)", ("tests/test_judge.py::test_kimis_length_reward_by_hand_and_through_the_grader",),
            "Kimi's length reward pays a short wrong answer: the cheapest reward is to answer at once, wrongly"),
+    Mutant("pairwise-judge-asked-once", "rewards.py", "    if both_orders:\n", "    if False:\n",
+           ("tests/test_judge.py::test_asking_in_both_orders_cancels_a_judges_taste_for_a_position",),
+           "the pairwise judge is asked in one order only: its taste for a position decides the pair"),
     Mutant("cpu-autocast-ignored", "common.py", "dtype = dtype or train_dtype(dev)", "dtype = dtype or compute_dtype(dev)",
            ("tests/test_cpu_autocast.py::test_bfloat16_reaches_the_loss_and_repeats_itself",
             "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"

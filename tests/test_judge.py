@@ -11,6 +11,7 @@ from common import UserError
 from model import GPT, GPTConfig
 from rewards import Rubric, judge_messages, judge_scores, load_judge, load_rubric, parse_verdict
 from checkpoint import save_hf
+from tasks import rl_prompts
 
 torch.set_num_threads(1)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,13 +29,13 @@ class ScriptedJudge(GPT):
     its prompt holds, and the script's index is kept in the row's (otherwise unused) KV cache, which the
     engine subsets as rows finish. `prefills` records the batch size of every generate call."""
 
-    def __init__(self, tok, replies: dict, max_seq_len=2048):
+    def __init__(self, tok, replies: dict, max_seq_len=2048, choose=None):
         # the hidden state is the one-hot logits themselves: width = vocabulary, the head an identity
         super().__init__(GPTConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=1, n_kv_head=1, n_embd=tok.vocab_size,
                                    head_dim=8, intermediate_size=8, max_seq_len=max_seq_len, tie_word_embeddings=False))
         with torch.no_grad():
             self.lm_head.weight.copy_(torch.eye(tok.vocab_size))
-        self.tok, self.answers = tok, list(replies)
+        self.tok, self.answers, self.choose = tok, list(replies), choose  # choose(prompt text) -> a key of replies
         self.scripts = [tok.encode(replies[a]) + [tok.eos_id] for a in self.answers]
         self.prefills, self.prompts = [], []
 
@@ -46,7 +47,8 @@ class ScriptedJudge(GPT):
             for b in range(B):
                 text = self.tok.decode([t for t, d in zip(idx[b].tolist(), doc_ids[b].tolist()) if d == 1])
                 self.prompts.append(text)
-                (which,) = [i for i, a in enumerate(self.answers) if f"<answer>\n{a}\n</answer>" in text]
+                (which,) = [self.answers.index(self.choose(text))] if self.choose else \
+                    [i for i, a in enumerate(self.answers) if f"<answer>\n{a}\n</answer>" in text]
                 kv_cache.k[0, b, 0, 0, 0] = which
         step = kv_cache.length + T - kv_cache.prompt_len  # how many reply tokens came before this one
         kv_cache.length += T
@@ -221,3 +223,70 @@ def test_kimis_length_reward_by_hand_and_through_the_grader(tok):
     torch.testing.assert_close(g.parts["length"], torch.tensor(want))
     torch.testing.assert_close(g.total, g.parts["verifier"] + 0.5 * torch.tensor(want))
     assert g.parts["length"][0] == 0.5 and g.parts["length"][2] == -0.5  # q1's shortest right, longest right
+
+
+# ------------------------------------------------------------------------------------------------
+# The pairwise judge: which of two answers is better, asked in both orders
+
+def shown(text, k):
+    """The k-th answer a pairwise judge's prompt shows (1 or 2)."""
+    return text.split(f"<answer_{k}>\n")[1].split(f"\n</answer_{k}>")[0]
+
+
+def test_asking_in_both_orders_cancels_a_judges_taste_for_a_position(tok):
+    """Four questions, the right answer shown first in two and second in two. A fair judge (it picks the right
+    answer wherever it stands) keeps its verdicts in both orders: [1, 1, 0, 0], none inconsistent. A judge with a
+    pure position bias (always "VERDICT: 1") makes every first answer win when asked once, wrong or right; asked
+    in both orders each pair gets 0.5, no preference, all four counted inconsistent. A judge with no verdict
+    line gives 0.5 and is counted."""
+    from rewards import judge_pairs, parse_preference
+    assert parse_preference("Answer 2 skips a step.\nVERDICT: 1") == 1.0 and parse_preference("VERDICT: 2") == 0.0
+    assert all(parse_preference(r) is None for r in ("VERDICT: both", "verdict: 1", "VERDICT: 1\nthanks", ""))
+    rows = rl_prompts("test", 4)
+    right = [f"#### {r['ground_truth']}" for r in rows]
+    wrong = [f"#### {int(r['ground_truth']) + 1}" for r in rows]
+    first, second = right[:2] + wrong[2:], wrong[:2] + right[2:]
+    prompts, rubric = [r["prompt"] for r in rows], Rubric("Prefer the right answer.\nScale: 0-10", "0-10")
+    verdicts = {"1": "The first is right.\nVERDICT: 1", "2": "The second is right.\nVERDICT: 2"}
+    fair = ScriptedJudge(tok, verdicts, choose=lambda text: "1" if shown(text, 1) in right else "2")
+    prefs, counts = judge_pairs(fair, tok, prompts, first, second, rubric)
+    assert prefs == [1.0, 1.0, 0.0, 0.0] and counts == {"inconsistent": 0, "unparseable": 0, "too_long": 0}
+    assert fair.prefills == [8]  # both orders of every pair, one batched call
+    biased = ScriptedJudge(tok, verdicts, choose=lambda text: "1")
+    once, _ = judge_pairs(biased, tok, prompts, first, second, rubric, both_orders=False)
+    assert once == [1.0] * 4  # asked once, the position decides: two wrong answers win
+    prefs, counts = judge_pairs(biased, tok, prompts, first, second, rubric)
+    assert prefs == [0.5] * 4 and counts["inconsistent"] == 4
+    mute = ScriptedJudge(tok, {"?": "I cannot tell."}, choose=lambda text: "?")
+    prefs, counts = judge_pairs(mute, tok, prompts, first, second, rubric)
+    assert prefs == [0.5] * 4 and counts == {"inconsistent": 0, "unparseable": 8, "too_long": 0}
+
+
+def test_chat_sample_pairs_judge_keeps_the_pairs_the_judge_agrees_on(tok, tmp_path, monkeypatch):
+    """chat_sample.py --pairs-judge: per prompt its first two different finished answers, judged in both orders;
+    a pair is written, the judge's winner chosen, only where its two verdicts agree. The stand-in judge prefers
+    the shorter answer, except on prompt 2, where it picks whatever is shown first (a position bias: dropped);
+    prompt 3 has a single distinct answer: nothing to compare."""
+    import chat_sample
+    from sampled_data import two_to_compare
+    assert two_to_compare(["a", "a", "b"], [True] * 3) == (0, 2) and two_to_compare(["a", "a"], [True] * 2) is None
+    assert two_to_compare(["a", "b", "c"], [True, False, True]) == (0, 2)
+    rows = rl_prompts("train", 4)
+    texts = [["#### 1", "It is one.\n#### 1"], ["A long way round.\n#### 7", "#### 7"],
+             ["#### 3", "Three.\n#### 3"], ["#### 5", "#### 5"]]
+    groups = {p: ([0.0, 0.0], t, [True, True], [[{"role": "assistant", "content": a}] for a in t])
+              for p, t in enumerate(texts)}
+
+    def shorter(text):
+        if rows[2]["prompt"][0]["content"] in text:
+            return "1"
+        return "1" if len(shown(text, 1)) < len(shown(text, 2)) else "2"
+    judge = ScriptedJudge(tok, {"1": "VERDICT: 1", "2": "VERDICT: 2"}, choose=shorter)
+    monkeypatch.setattr(chat_sample, "load_judge", lambda path: (judge, tok))
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Prefer the shorter answer.\nScale: 0-10")
+    pairs, counts = chat_sample.judged_pairs(rows, groups, "JUDGE", str(rubric))
+    assert counts == {"asked": 3, "inconsistent": 1, "unparseable": 0, "too_long": 0}
+    assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
+        ("#### 1", "It is one.\n#### 1"), ("#### 7", "A long way round.\n#### 7")]
+    assert [p["prompt"] for p in pairs] == [rows[0]["prompt"], rows[1]["prompt"]]

@@ -225,8 +225,8 @@ def test_eval_out_adds_to_a_runs_eval_json(tmp_path, tiny_chat):
                         "--max-new-tokens", "4", "--samples", "2", "--temperature", "1", "--out", str(tmp_path / "eval.json")],
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    ev2 = json.loads((tmp_path / "eval.json").read_text())  # sampled: pass@k_t1 added, the greedy keys kept
-    assert set(ev2) == set(ev) | {"pass@1_t1", "pass@2_t1"} and ev2["stop_rate"] == ev["stop_rate"]
+    ev2 = json.loads((tmp_path / "eval.json").read_text())  # sampled: pass@k_t1 and maj@2_t1 added, greedy kept
+    assert set(ev2) == set(ev) | {"pass@1_t1", "pass@2_t1", "maj@2_t1"} and ev2["stop_rate"] == ev["stop_rate"]
 
 
 @pytest.mark.slow
