@@ -72,7 +72,8 @@ def answer_messages(tok, completion) -> list[dict] | None:
     calls) and the tool results the engine fed back between them (its forced tokens, mask 0). None when a
     turn's call does not parse. Example: sampled "<tool_call>...12 * 7...</tool_call><|im_end|>", forced
     "\n<|im_start|>user\n<tool_response>\n84\n</tool_response><|im_end|>\n<|im_start|>assistant\n", sampled
-    "#### 84" -> [assistant (the call), tool "84", assistant "#### 84"]."""
+    "#### 84" -> [assistant (the call), tool "84", assistant "#### 84"]. An answer that stopped at once, no token
+    before its <|im_end|>, is one empty assistant message (a bad answer, still an answer: a pair's rejected side)."""
     tokens = completion.tokens[:-1]  # the final <|im_end|> (or another stop id) is the renderer's
     messages, start = [], 0
     for end in range(1, len(tokens) + 1):
@@ -91,7 +92,7 @@ def answer_messages(tok, completion) -> list[dict] | None:
         else:
             messages.append(completion_message(text))
         start = end
-    return messages
+    return messages or [completion_message("")]
 
 
 def renders_back(tok, messages, tools, tokens) -> bool:

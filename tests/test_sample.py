@@ -123,6 +123,27 @@ def test_files_load_in_the_sft_and_dpo_loaders_and_render_the_sampled_tokens(tok
     assert [t for t in y if t >= 0][:len(answer)] == answer
 
 
+def test_an_answer_that_stops_at_once_is_an_empty_message_the_loaders_take(tok, monkeypatch, tmp_path):
+    """A sampled answer of no token but its <|im_end|> is a wrong answer like any other: its pair is written with an
+    empty assistant message as the rejected side, which load_preferences reads (lab/goodhart.py's seed 1 once wrote
+    "rejected": [] there, and chat_rm.py refused the file), and which renders back to the tokens sampled."""
+    from engine import Engine
+    from rewards import Grader
+    rows = rl_prompts("train", 1)
+    right = f"The answer.\n#### {rows[0]['ground_truth']}"
+    scripted(monkeypatch, tok, [[right, ""]])
+    groups = sample_groups(Engine(tiny_model(tok), tok), rows, Grader("verifier", tok), samples=2, batch_size=2,
+                           seed=0, max_new_tokens=16)
+    _, pairs, _ = build_rows(rows, groups, "verified")
+    assert [(p["chosen"][0]["content"], p["rejected"]) for p in pairs] == [(right, [{"role": "assistant",
+                                                                                     "content": ""}])]
+    write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    (loaded,) = load_preferences(str(tmp_path / "pairs.jsonl"))
+    from preferences import completion_example
+    _, y = completion_example(tok, loaded["prompt"], loaded["rejected"], None, 1024)
+    assert [t for t in y if t >= 0][:1] == [tok.eos_id]  # the answer is its end of turn, as it was sampled
+
+
 def test_best_of_n_with_best_keeps_one_per_prompt_even_when_none_is_right(tok, monkeypatch):
     from engine import Engine
     from rewards import Grader
