@@ -183,13 +183,12 @@ def main():
     if args.ref == "live" and orpo:
         raise UserError("--ref live: ORPO has no reference model")
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    held_out = load_preferences(args.eval_data, "--eval-data") if args.eval_data else None
     if args.data:  # a user file: --eval-data, or its last 2% held out
-        train_rows, val_rows = split_heldout(load_preferences(args.data),
-                                             load_preferences(args.eval_data, "--eval-data")
-                                             if args.eval_data else None)
+        train_rows, val_rows = split_heldout(load_preferences(args.data), held_out)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
-        val_rows = preference_pairs("test", args.num_val, seed=args.seed)
+        val_rows = held_out or preference_pairs("test", args.num_val, seed=args.seed)
     dist, out_dir = start_run(args, "dpo", "chat_dpo")
     device = dist.device
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training

@@ -142,13 +142,13 @@ def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    held_out = load_kto(args.eval_data, "--eval-data") if args.eval_data else None
     if args.data:  # a user file: --eval-data, or its last 2% held out; held-out pairs from its labeled answers
-        train_rows, val_rows = split_heldout(load_kto(args.data),
-                                             load_kto(args.eval_data, "--eval-data") if args.eval_data else None)
+        train_rows, val_rows = split_heldout(load_kto(args.data), held_out)
         val_rows = pairs_of_singles(val_rows)
     else:
         train_rows = preference_pairs("train", args.num_train, seed=args.seed) if args.pairs == "embedded" else None
-        val_rows = preference_pairs("test", args.num_val, seed=args.seed)
+        val_rows = pairs_of_singles(held_out) if held_out else preference_pairs("test", args.num_val, seed=args.seed)
     dist, out_dir = start_run(args, "kto", "chat_kto")
     device = dist.device
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training

@@ -217,17 +217,16 @@ def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
+    held_out = load_preferences(args.eval_data, "--eval-data") if args.eval_data else None
     if args.data:  # a user file: --eval-data, or its last 2% held out
-        train_rows, val_rows = split_heldout(load_preferences(args.data),
-                                             load_preferences(args.eval_data, "--eval-data")
-                                             if args.eval_data else None)
+        train_rows, val_rows = split_heldout(load_preferences(args.data), held_out)
     else:
         try:
             kinds = parse_kinds(args.kinds)
             train_rows = preference_pairs("train", args.num_train, seed=args.seed, kinds=kinds)
         except ValueError as e:
             raise UserError(f"--kinds {args.kinds!r}: {e}") from None
-        val_rows = preference_pairs("test", args.num_val, seed=args.seed)
+        val_rows = held_out or preference_pairs("test", args.num_val, seed=args.seed)
     dist, out_dir = start_run(args, "rm", "chat_rm")
     device = dist.device
     if args.data and (warning := overlap_warning(train_rows, val_rows)):  # the held-out rows should be new to training

@@ -269,9 +269,13 @@ def split_heldout(rows: list, held_out: list | None = None) -> tuple[list, list]
 
 def rl_rows(data, eval_data, *, eval_problems, num_prompts, seed) -> tuple[list, list]:
     """The prompts of a sampling stage (RL, PPO, distillation) and its held-out problems (at most
-    eval_problems): --data's rows and --eval-data's (or --data's last 2%), else the embedded world's
-    training and test problems."""
-    if not data:
-        return rl_prompts("train", num_prompts, seed=seed), rl_prompts("test", eval_problems, seed=seed)
-    rows, eval_rows = split_heldout(load_rl(data), load_rl(eval_data, "--eval-data") if eval_data else None)
+    eval_problems): --data's rows, else the embedded world's training problems; --eval-data's rows, else
+    --data's last 2%, else the embedded world's test problems. (--eval-data without --data once fell to the
+    world's test problems, drawn by --seed: runs of two seeds were evaluated on different problems.)"""
+    held_out = load_rl(eval_data, "--eval-data") if eval_data else None
+    if data:
+        rows, eval_rows = split_heldout(load_rl(data), held_out)
+    else:
+        rows = rl_prompts("train", num_prompts, seed=seed)
+        eval_rows = held_out or rl_prompts("test", eval_problems, seed=seed)
     return rows, eval_rows[:eval_problems]

@@ -484,6 +484,9 @@ MUTANTS = [
     Mutant("pairwise-judge-asked-once", "rewards.py", "    if both_orders:\n", "    if False:\n",
            ("tests/test_judge.py::test_asking_in_both_orders_cancels_a_judges_taste_for_a_position",),
            "the pairwise judge is asked in one order only: its taste for a position decides the pair"),
+    Mutant("eval-data-ignored-without-data", "data.py", "eval_rows = held_out or rl_prompts(", "eval_rows = rl_prompts(",
+           ("tests/test_wiring_misc.py::test_eval_data_alone_is_what_each_stage_holds_out[rl]",),
+           "--eval-data without --data is ignored: RL evaluates the world's test problems, drawn by --seed"),
     Mutant("cpu-autocast-ignored", "common.py", "dtype = dtype or train_dtype(dev)", "dtype = dtype or compute_dtype(dev)",
            ("tests/test_cpu_autocast.py::test_bfloat16_reaches_the_loss_and_repeats_itself",
             "tests/test_cpu_autocast.py::test_the_cpu_trains_in_bfloat16_only_where_it_has_the_units_unless_told"
