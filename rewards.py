@@ -135,19 +135,27 @@ def judge_scores(judge_model, judge_tokenizer, prompts: list, answers: list[str]
       {"unparseable": the reply's last line is not a verdict (or the reply hit max_new_tokens),
        "too_long": the judge's prompt + max_new_tokens exceeds its context; these are not sent}.
     `answers` are answer texts (answer_text of the completion: no thinking, no end-of-turn token)."""
-    rendered = [judge_tokenizer.render_for_completion(judge_messages(p, a, rubric), enable_thinking=enable_thinking)
-                for p, a in zip(prompts, answers, strict=True)]
+    replies, too_long = judge_replies(judge_model, judge_tokenizer, [judge_messages(p, a, rubric) for p, a in
+                                                                     zip(prompts, answers, strict=True)],
+                                      max_new_tokens=max_new_tokens, enable_thinking=enable_thinking)
+    verdicts = [None if r is None else parse_verdict(r, rubric.scale) for r in replies]
+    return [v or 0.0 for v in verdicts], {"unparseable": verdicts.count(None) - too_long, "too_long": too_long}
+
+
+def judge_replies(judge_model, judge_tokenizer, conversations: list, *, max_new_tokens: int,
+                  enable_thinking: bool) -> tuple[list, int]:
+    """The judge's greedy reply to each conversation, in ONE batched engine call, and how many were too long to
+    ask (prompt + max_new_tokens over its context: not sent). A reply is None where it was not sent or was cut at
+    max_new_tokens (a cut "VERDICT: 10" would read as "VERDICT: 1")."""
+    rendered = [judge_tokenizer.render_for_completion(c, enable_thinking=enable_thinking) for c in conversations]
     fits = [i for i, ids in enumerate(rendered) if len(ids) + max_new_tokens <= judge_model.config.max_seq_len]
-    scores, unparseable = [0.0] * len(rendered), 0
+    replies = [None] * len(rendered)
     if fits:
         outs = Engine(judge_model, judge_tokenizer).generate([rendered[i] for i in fits], max_new_tokens=max_new_tokens,
                                                              temperature=0.0)
         for i, out in zip(fits, outs):
-            verdict = parse_verdict(judge_tokenizer.decode(out.tokens), rubric.scale) \
-                if out.finish_reason == "stop" else None
-            unparseable += verdict is None
-            scores[i] = verdict or 0.0
-    return scores, {"unparseable": unparseable, "too_long": len(rendered) - len(fits)}
+            replies[i] = judge_tokenizer.decode(out.tokens) if out.finish_reason == "stop" else None
+    return replies, len(rendered) - len(fits)
 
 
 def pairwise_messages(prompt, first: str, second: str, rubric: Rubric) -> list[dict]:
@@ -183,23 +191,16 @@ def judge_pairs(judge_model, judge_tokenizer, prompts: list, first: list[str], s
     asked = list(zip(prompts, first, second, strict=True))
     if both_orders:
         asked += [(p, b, a) for p, a, b in zip(prompts, first, second)]
-    rendered = [judge_tokenizer.render_for_completion(pairwise_messages(p, a, b, rubric),
-                                                      enable_thinking=enable_thinking) for p, a, b in asked]
-    fits = [i for i, ids in enumerate(rendered) if len(ids) + max_new_tokens <= judge_model.config.max_seq_len]
-    votes = [None] * len(rendered)  # 1.0: the answer shown first won, 0.0: the second, None: no verdict
-    if fits:
-        outs = Engine(judge_model, judge_tokenizer).generate([rendered[i] for i in fits], max_new_tokens=max_new_tokens,
-                                                             temperature=0.0)
-        for i, out in zip(fits, outs):
-            cut = out.finish_reason != "stop"  # a reply cut at the token limit has no verdict, whatever it ends with
-            votes[i] = None if cut else parse_preference(judge_tokenizer.decode(out.tokens))
+    replies, too_long = judge_replies(judge_model, judge_tokenizer, [pairwise_messages(p, a, b, rubric)
+                                                                     for p, a, b in asked],
+                                      max_new_tokens=max_new_tokens, enable_thinking=enable_thinking)
+    votes = [None if r is None else parse_preference(r) for r in replies]  # 1.0: the first shown won, 0.0: the second
     n = len(prompts)
     for_first = [[votes[i]] + ([None if votes[n + i] is None else 1.0 - votes[n + i]] if both_orders else [])
                  for i in range(n)]  # each vote, as "the first[i] won"
     prefs = [sum(0.5 if v is None else v for v in vs) / len(vs) for vs in for_first]
     counts = {"inconsistent": sum(None not in vs and len(set(vs)) > 1 for vs in for_first),
-              "unparseable": sum(v is None for v in votes) - (len(rendered) - len(fits)),
-              "too_long": len(rendered) - len(fits)}
+              "unparseable": votes.count(None) - too_long, "too_long": too_long}
     return prefs, counts
 
 
