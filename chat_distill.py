@@ -22,10 +22,15 @@ with chat_rl.py's clipped policy-gradient update (policy_loss / update_policy) a
 One step: 1. the student samples --samples-per-prompt answers to each prompt (rollout.sample; the
 verifier's grade is only logged); 2. the snapshot of the student's log-probs, the frozen teacher's
 log-probs of the same tokens, and the advantage of each token (reverse_kl_advantages); 3. the update:
-chat_rl.update_policy with per-token advantages; 4. log. With --mode kd the teacher samples instead, and
-the student maximizes the likelihood of the teacher's tokens (kd_update): supervised, off-policy, for
-contrast. Left out: the full-vocabulary KL at each position (GKD's token-level divergences; it needs the
-teacher's logits, V floats per token, where a sampled token's log-prob is one), and a KL to the start.
+chat_rl.update_policy with per-token advantages; 4. log. Two supervised modes share distill_update:
+  --mode gkd   GKD's on-policy form (its lambda = 1): on the student's own samples, the generalized JSD
+               between the two models' WHOLE next-token distributions at each position (generalized_jsd,
+               --beta), not only the sampled token's log-probs; a gradient without sampling noise over the
+               vocabulary, at the price of both heads' (tokens, V) logits, computed in chunks (gkd_loss).
+  --mode kd    the teacher samples, and the student maximizes the likelihood of the teacher's tokens:
+               supervised, off-policy, for contrast.
+Left out: GKD's lambda < 1, which mixes in a fixed data set's answers (prompt-only data has none), and a KL
+to the start.
 Both models' log-probs are taken at the sampling --temperature; with --tools the teacher scores the student's
 sampled tokens of its multi-turn tool rollouts (tool results are never trained).
 
@@ -40,10 +45,13 @@ ground truth, when there is one, is only used to log accuracy and held-out pass@
 Writes $NANOPOST_HOME/distill/<run>/.
 """
 import argparse
+import math
 import os
 import time
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import peak_memory
 from chat_rl import update_policy
@@ -55,6 +63,7 @@ from common import (UserError, all_reduce_dict, all_reduce_sum, autocast, check_
 from data import rl_rows
 from engine import Engine
 from evaluation import heldout_scores
+from model import head_logits
 from rewards import Grader
 from rollout import (add_sampling_flags, batch_logprobs, draw_prompts, minibatches_of, prompt_length, prompts_per_rank,
                      sample, sampler_correction, training_batch)
@@ -65,9 +74,12 @@ from tokenizer import settle_chat_template
 parser = argparse.ArgumentParser(description="on-policy distillation from a teacher sharing the tokenizer")
 parser.add_argument("--init", default=None, help="the student: model folder or run dir (default: the SFT run)")
 parser.add_argument("--teacher", default=None, help="the teacher: model folder or run dir (default: the RL run)")
-parser.add_argument("--mode", choices=["on-policy", "kd"], default="on-policy",
-                    help="the student samples and the teacher grades each token; or (kd) the teacher samples and "
-                    "the student learns its answers by NLL")
+parser.add_argument("--mode", choices=["on-policy", "gkd", "kd"], default="on-policy",
+                    help="the student samples and the teacher grades each sampled token; gkd: the student samples "
+                    "and learns the teacher's whole next-token distribution there; kd: the teacher samples and the "
+                    "student learns its answers by NLL")
+parser.add_argument("--beta", type=float, default=0.5, help="--mode gkd: the generalized JSD's beta (0: forward KL, "
+                    "1: reverse KL; TRL's default 0.5)")
 add_sampling_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, ...
 parser.add_argument("--samples-per-prompt", type=int, default=4, help="answers sampled per prompt")
 parser.add_argument("--discount", type=float, default=0.0, help="a token's advantage adds the discounted rewards of "
@@ -122,17 +134,58 @@ def kd_loss(student_logp, mask, normalizer):
     return -(student_logp * mask).sum() / normalizer
 
 
-def kd_update(model, optimizer, batch, *, step, ppo_epochs=1, minibatches=2, micro_batch_tokens=8192, grad_clip=1.0,
-              temperature=1.0):
-    """minibatches optimizer steps (times ppo_epochs) of kd_loss on the teacher's samples, each minibatch in
-    forward passes of at most micro_batch_tokens, divided by the minibatch's global token count; log-probs
-    at `temperature`. Returns sums over this rank: loss, updates, grad_norm."""
+def generalized_jsd(student_logits, teacher_logits, beta=0.5):
+    """GKD's divergence at each position (N,) between the student's and the teacher's next-token
+    distributions over the whole vocabulary, from their logits (N, V):
+        JSD(beta) = beta KL(T || M) + (1 - beta) KL(S || M),   M = beta T + (1 - beta) S,
+    as TRL's GKDTrainer.generalized_jsd_loss (and GKD's Eq. 1 with its P the teacher): beta = 0 is the forward KL
+    KL(T || S) and beta = 1 the reverse KL(S || T), each taken exactly (the mixture's limits would be 0).
+    Example, a two-token vocabulary, student (0.5, 0.5), teacher (0.9, 0.1): beta 0.5 gives M = (0.7, 0.3)
+    and 0.5 * 0.1163 + 0.5 * 0.0872 = 0.1017; beta 0: 0.9 ln(0.9 / 0.5) + 0.1 ln(0.1 / 0.5) = 0.3681;
+    beta 1: 0.5 ln(0.5 / 0.9) + 0.5 ln(0.5 / 0.1) = 0.5108."""
+    s, t = F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
+
+    def kl(a, b):  # KL(A || B) from log-probs, each row; a token A gives p = 0 adds 0
+        return (a.exp() * (a - b)).sum(-1)
+    if beta == 0:
+        return kl(t, s)
+    if beta == 1:
+        return kl(s, t)
+    m = torch.logsumexp(torch.stack([s + math.log(1 - beta), t + math.log(beta)]), dim=0)
+    return beta * kl(t, m) + (1 - beta) * kl(s, m)
+
+
+def gkd_loss(student_hidden, student_head, teacher_hidden, teacher_head, *, beta, normalizer, temperature=1.0,
+             precision="float32", chunk_elements=2**24):
+    """--mode gkd: generalized_jsd at every graded position of the student's samples, summed and divided by the
+    tokens of the whole global batch (normalizer), from the two models' final hidden states there (N, C) and
+    their vocabulary heads (V, C). The (N, V) logits of both are never held at once: chunks of about
+    chunk_elements logits each, recomputed in backward (model.vocab_logprobs' scheme), so at a vocabulary of
+    151,936 a chunk is 110 positions and a few 64 MB tensors. Both distributions at `temperature`, as TRL."""
+    step = max(1, chunk_elements // student_head.size(0))
+
+    def chunk_sum(h_s, h_t):
+        with torch.autocast(h_s.device.type, enabled=False):
+            return generalized_jsd(head_logits(h_s, student_head, precision) / temperature,
+                                   head_logits(h_t, teacher_head, precision) / temperature, beta).sum()
+    total = student_hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, student_hidden.size(0), step):
+        args = (student_hidden[s:s + step], teacher_hidden[s:s + step])
+        total = total + (checkpoint(chunk_sum, *args, use_reentrant=False) if torch.is_grad_enabled()
+                         else chunk_sum(*args))
+    return total / normalizer
+
+
+def distill_update(model, optimizer, batch, *, step, loss_of, ppo_epochs=1, minibatches=2, micro_batch_tokens=8192,
+                   grad_clip=1.0):
+    """The supervised modes' update (kd, gkd): minibatches optimizer steps (times ppo_epochs), each minibatch
+    in forward passes of at most micro_batch_tokens; loss_of(p, normalizer) is a pass's loss, p(tensor) its
+    slice of a batch tensor and normalizer the minibatch's global token count. Returns sums over this rank:
+    loss, updates, grad_norm."""
     totals = {"loss": 0.0, "updates": 0, "grad_norm": 0.0}
     for mb in minibatches_of(batch, step=step, epochs=ppo_epochs, count=minibatches):
         for p in mb.passes([model], micro_batch_tokens):  # p(tensor): this forward pass's slice of it
-            with autocast(batch.inputs.device):
-                logp = model(p(batch.inputs), p(batch.targets), temperature=temperature)
-            loss = kd_loss(logp, p(batch.mask), mb.tokens)
+            loss = loss_of(p, mb.tokens)
             check_finite(loss, step + 1)
             loss.backward()
             totals["loss"] += loss.item()
@@ -176,6 +229,11 @@ def main():
                               num_prompts=args.num_prompts, seed=args.seed)
     if not 0 <= args.discount <= 1:
         raise UserError(f"--discount {args.discount}: must be in [0, 1]")
+    if not 0 <= args.beta <= 1:
+        raise UserError(f"--beta {args.beta}: must be in [0, 1]")
+    if args.mode == "gkd" and args.fsdp:  # gkd_loss reads each model's whole head weight outside its forward
+        raise UserError("--mode gkd runs the vocabulary heads outside the models' forward, which --fsdp shards; "
+                        "use DDP (torchrun without --fsdp)")
     dist, out_dir = start_run(args, "distill", "chat_distill")
     device = dist.device
 
@@ -205,11 +263,11 @@ def main():
                          head_precision=args.head_precision).eval().requires_grad_(False)
     grader = Grader("verifier", tok, device)  # only logged: the teacher's log-probs are the signal
     tools = TOOLS if args.tools else None
-    sampler = Engine(unwrap(model if args.mode == "on-policy" else teacher), tok, tools=tools)
+    sampler = Engine(unwrap(teacher if args.mode == "kd" else model), tok, tools=tools)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, tool_schemas=tool_schemas,
                     max_tool_turns=args.max_tool_turns)
     update = dict(ppo_epochs=args.ppo_epochs, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
-                  grad_clip=args.grad_clip, temperature=args.temperature)
+                  grad_clip=args.grad_clip)
     print0(f"student: {unwrap(model).num_params():,} parameters from {init}; teacher: "
            f"{unwrap(teacher).num_params():,} from {teacher_path}; mode {args.mode}; {args.prompts_per_step} "
            f"prompts x {S} answers per step on {dist.world_size} rank(s)")
@@ -247,7 +305,7 @@ def main():
         lr = lr_at(step, args.steps, peak_lr, warmup_steps, final_ratio=1.0)  # warmup, then constant
         set_lr(optimizer, lr)
 
-        # 1. samples: the student's (on-policy) or the teacher's (kd), graded only to be logged; a pure
+        # 1. samples: the student's (on-policy, gkd) or the teacher's (kd), graded only to be logged; a pure
         #    function of (seed, step, rank), so a resumed run samples what the uninterrupted one would
         batch_rows, seed = draw_prompts(rows, local_prompts, seed=args.seed, step=step, rank=dist.rank)
         with sampler.prepared():
@@ -267,10 +325,25 @@ def main():
             weights = sampler_correction(student_logp, batch.engine_logp, mask, args.correction, cap=args.tis_cap)
             # chat_rl's clipped objective at its defaults (token-mean, the token ratio), no entropy bonus, no KL
             totals = update_policy(model, optimizer, batch, old_logp=student_logp, advantages=adv, weights=weights,
-                                   step=step, loss_settings=dict(eps_low=args.eps_low, eps_high=args.eps_high,
-                                                                 max_len=args.max_new_tokens), **update)
-        else:
-            totals = kd_update(model, optimizer, batch, step=step, **update)
+                                   step=step, temperature=args.temperature, **update,
+                                   loss_settings=dict(eps_low=args.eps_low, eps_high=args.eps_high,
+                                                      max_len=args.max_new_tokens))
+        elif args.mode == "gkd":  # the teacher's whole distribution at each of the student's positions
+            def loss_of(p, normalizer):
+                with autocast(device):
+                    h_s = model(p(batch.inputs), p(batch.targets), graded_hidden=True)
+                    with torch.no_grad():
+                        h_t = teacher(p(batch.inputs), p(batch.targets), graded_hidden=True)
+                return gkd_loss(h_s, unwrap(model).lm_head.weight, h_t, unwrap(teacher).lm_head.weight,
+                                beta=args.beta, normalizer=normalizer, temperature=args.temperature,
+                                precision=unwrap(model).head_precision)
+            totals = distill_update(model, optimizer, batch, step=step, loss_of=loss_of, **update)
+        else:  # kd: the likelihood of the teacher's tokens
+            def loss_of(p, normalizer):
+                with autocast(device):
+                    logp = model(p(batch.inputs), p(batch.targets), temperature=args.temperature)
+                return kd_loss(logp, p(batch.mask), normalizer)
+            totals = distill_update(model, optimizer, batch, step=step, loss_of=loss_of, **update)
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
@@ -285,7 +358,7 @@ def main():
         metrics = {
             # per token, before the update: on the student's samples (on-policy) log p_s - log p_t estimates the
             # reverse KL; on the teacher's (kd) log p_t - log p_s estimates the forward KL
-            **({"reverse_kl": s["kl"] / n_tok} if args.mode == "on-policy" else {"forward_kl": -s["kl"] / n_tok}),
+            **({"reverse_kl": s["kl"] / n_tok} if args.mode != "kd" else {"forward_kl": -s["kl"] / n_tok}),
             "accuracy": s["correct"] / n_ans,
             "loss": s["update_loss"] / updates,
             "grad_norm": totals["grad_norm"] / updates,

@@ -540,7 +540,7 @@ class GPT(nn.Module):
     # -- the heads ---------------------------------------------------------------------------
 
     def forward(self, idx, targets=None, doc_ids=None, kv_cache=None, *, temperature=1.0, top_k=None, top_p=None,
-                with_entropy=False):
+                with_entropy=False, graded_hidden=False):
         """What each head gives, from the hidden states of idx (B, T):
           head="scalar"        values (B, T), float32 (reward models, critics); with targets also their
                                log-probs through the vocabulary head (the RM's LM regularizer)
@@ -549,6 +549,9 @@ class GPT(nn.Module):
           targets (B, T)       log p(targets[t] | idx[:t+1]) in float32, (B, T), 0 where targets < 0: the
                                training forward of every stage (the SFT loss is its negation), computed by
                                vocab_logprobs; with_entropy=True also returns each graded position's entropy
+          targets, graded_hidden=True   the final hidden states at the graded positions (targets >= 0), (N, C),
+                               for a loss over the whole vocabulary that the caller runs through lm_head in
+                               chunks (chat_distill's GKD)
         Training code calls the model (forward) rather than a method, so that a DDP or FSDP wrapper sees
         the call: DDP's gradient all-reduce is armed by its forward, and nothing else."""
         h = self.hidden_states(idx, doc_ids, kv_cache)
@@ -563,6 +566,8 @@ class GPT(nn.Module):
             return values, vocab_logprobs(h, head, targets, precision=self.head_precision)
         if targets is None:
             return self.lm_head(h)
+        if graded_hidden:
+            return h[targets >= 0]
         return self.head_logprobs(h, targets, temperature=temperature, top_k=top_k, top_p=top_p,
                                    with_entropy=with_entropy)
 

@@ -1,7 +1,8 @@
 """chat_distill.py: the advantage's worked example; exactly 0 when the student is the teacher; by exact
 enumeration of every sequence, the expected policy gradient equals the gradient of the analytic reverse KL;
-2 ranks give one process's gradient; the real loop lowers the reverse KL to a teacher (on-policy and kd,
-on 1 and 2 ranks); a teacher with another tokenizer is refused."""
+GKD's generalized JSD against its worked example and TRL's, and in chunks equal to whole logits; 2 ranks give
+one process's gradient; the real loop lowers the reverse KL to a teacher (on-policy, gkd and kd, on 1 and 2
+ranks); a teacher with another tokenizer is refused."""
 import copy
 import json
 import math
@@ -12,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from chat_distill import kd_loss, reverse_kl_advantages
+from chat_distill import generalized_jsd, gkd_loss, kd_loss, reverse_kl_advantages
 from chat_rl import policy_loss
 from common import cleanup_dist
 from engine import Completion
@@ -39,6 +40,41 @@ def test_advantages_worked_example():
 def test_kd_loss_worked_example():
     logp = torch.log(torch.tensor([[0.5, 0.9, 0.2]]))
     assert abs(float(kd_loss(logp, torch.ones(1, 3), 3.0)) - 0.8026) < 1e-4
+
+
+def test_generalized_jsd_worked_example():
+    student, teacher = torch.tensor([[0.5, 0.5]]).log(), torch.tensor([[0.9, 0.1]]).log()
+    for beta, expected in ((0.5, 0.1017), (0.0, 0.3681), (1.0, 0.5108), (0.9, 0.0431)):
+        assert abs(float(generalized_jsd(student, teacher, beta)) - expected) < 1e-4, beta
+    assert float(generalized_jsd(teacher, teacher, 0.5).abs()) < 1e-7  # the same distribution: no divergence
+
+
+def trl_gkd_loss(student_logits, teacher_logits, labels, beta, temperature):
+    """TRL 1.16's GKDTrainer.generalized_jsd_loss (batchmean over the labelled positions)."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.experimental.gkd import GKDTrainer
+    return GKDTrainer.generalized_jsd_loss(student_logits, teacher_logits, labels=labels, beta=beta,
+                                           temperature=temperature)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_gkd_loss_equals_trls_in_value_and_gradient(beta):
+    """gkd_loss from hidden states and heads, in chunks of 2 positions, against TRL's loss over whole (B, T, V)
+    logits with -100 labels where nothing is graded, at temperature 0.7: value and gradients to 1e-6."""
+    torch.manual_seed(0)
+    B, T, C, V = 2, 5, 8, 11
+    h_s, h_t = torch.randn(B, T, C, requires_grad=True), torch.randn(B, T, C)
+    w_s, w_t = torch.randn(V, C, requires_grad=True), torch.randn(V, C) * 3
+    labels = torch.tensor([[-100, 3, 4, -100, 7], [-100, -100, 1, 2, -100]])
+    graded = labels >= 0
+    ours = gkd_loss(h_s[graded], w_s, h_t[graded], w_t, beta=beta, normalizer=graded.sum(), temperature=0.7,
+                    chunk_elements=2 * V)
+    ours_grads = torch.autograd.grad(ours, (h_s, w_s))
+    trl = trl_gkd_loss(h_s @ w_s.T, h_t @ w_t.T, labels, beta, 0.7)
+    trl_grads = torch.autograd.grad(trl, (h_s, w_s))
+    torch.testing.assert_close(ours, trl, atol=1e-6, rtol=1e-6)
+    for a, b in zip(ours_grads, trl_grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def tiny_policy(seed=0):
@@ -205,7 +241,7 @@ def distill_run(home, student, teacher, *extra, nproc=1):
         return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("mode,nproc", [("on-policy", 1), pytest.param("kd", 1, marks=pytest.mark.slow),
+@pytest.mark.parametrize("mode,nproc", [("on-policy", 1), ("gkd", 1), pytest.param("kd", 1, marks=pytest.mark.slow),
                                        pytest.param("on-policy", 2, marks=pytest.mark.slow)])
 def test_distillation_moves_the_student_towards_the_teacher(tmp_path, models, mode, nproc):
     rows = distill_run(tmp_path, *models, "--mode", mode, nproc=nproc)
@@ -216,7 +252,7 @@ def test_distillation_moves_the_student_towards_the_teacher(tmp_path, models, mo
     assert "teacher/pass@1" in rows[0]
     # the held-out reverse KL to the teacher, per token of the student's own answers, falls by a third
     assert evals[-1] < 0.67 * evals[0], evals
-    name = "reverse_kl" if mode == "on-policy" else "forward_kl"  # and the training batches' own estimate
+    name = "forward_kl" if mode == "kd" else "reverse_kl"  # and the training batches' own estimate
     first, last = (sum(r[name] for r in part) / 5 for part in (steps[:5], steps[-5:]))
     assert last < 0.8 * first, [r[name] for r in steps]
     assert os.path.isfile(tmp_path / "distill" / "default" / "eval.json")

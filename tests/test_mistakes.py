@@ -195,6 +195,8 @@ MISTAKES = [
     ("rl-top-p-1.5", "chat_rl", ["--top-p", "1.5"], "--top-p 1.5: must be > 0 and <= 1"),
     ("ppo-eps-low-1.5", "chat_ppo", ["--eps-low", "1.5"], "--eps-low 1.5"),
     ("rl-negative-kl-beta", "chat_rl", ["--kl-beta", "-0.1"], "--kl-beta -0.1"),
+    ("distill-gkd-beta-1.5", "chat_distill", ["--mode", "gkd", "--beta", "1.5"], "--beta 1.5: must be in [0, 1]"),
+    ("distill-gkd-fsdp", "chat_distill", ["--mode", "gkd", "--fsdp"], "use DDP"),
     ("rl-max-new-tokens-0", "chat_rl", ["--max-new-tokens", "0"], "--max-new-tokens 0"),
     ("sft-seq-len-1", "chat_sft", ["--seq-len", "1"], "--seq-len 1"),
     ("sft-lora-dropout-1", "chat_sft", ["--lora-rank", "4", "--lora-dropout", "1"], "--lora-dropout 1.0"),

@@ -3,7 +3,10 @@ tiny student and teacher, the command line parsed by the stage's parser) with on
 command; spies record what the loop handed the update, and the test recomputes it from the definitions: both
 models' log-probs of the sampled tokens at --temperature, the per-token reverse-KL reward discounted over the
 rest of the answer (--discount), the sampler correction, the clip bounds; --mode kd samples from the teacher
-and trains on its tokens."""
+and trains on its tokens; --mode gkd's loss is TRL's generalized JSD over both models' whole logits at --beta
+and --temperature."""
+import os
+
 import pytest
 import torch
 
@@ -36,7 +39,8 @@ def pair(tok, tmp_path_factory):
 def distill_case(monkeypatch, home, pair, *flags):
     student, teacher = pair
     argv = ["--init", student, "--teacher", teacher, *BASE, *flags]
-    rec = {name: spy(monkeypatch, chat_distill, name) for name in ("sample", "update_policy", "kd_update")}
+    rec = {name: spy(monkeypatch, chat_distill, name)
+           for name in ("sample", "update_policy", "distill_update", "kd_loss", "gkd_loss")}
     run_stage(monkeypatch, home, chat_distill, *argv)
     return chat_distill.parser.parse_args(argv), rec
 
@@ -55,6 +59,8 @@ def discounted(rewards, discount):
     ["--tis-cap", "0.5"], ["--correction", "sequence-tis"], ["--samples-per-prompt", "3"], ["--ppo-epochs", "2"],
     ["--minibatches", "2"], ["--micro-batch-tokens", "100"], ["--grad-clip", "0.5"], ["--max-new-tokens", "6"],
     ["--tools"], ["--max-tool-turns", "2"], ["--prompts-per-step", "3"], ["--mode", "kd"],
+    ["--mode", "kd", "--temperature", "0.7"], ["--mode", "gkd"], ["--mode", "gkd", "--beta", "0.2"],
+    ["--mode", "gkd", "--temperature", "0.7"], ["--mode", "gkd", "--micro-batch-tokens", "30"],
 ], ids=lambda f: "_".join(x.lstrip("-") for x in f) or "defaults")
 def test_each_flag_reaches_the_update(monkeypatch, tmp_path, pair, flags):
     args, rec = distill_case(monkeypatch, tmp_path, pair, *flags)
@@ -65,16 +71,33 @@ def test_each_flag_reaches_the_update(monkeypatch, tmp_path, pair, flags):
     assert (kw["samples_per_prompt"], kw["max_new_tokens"], kw["max_tool_turns"], kw["temperature"]) == \
         (args.samples_per_prompt, args.max_new_tokens, args.max_tool_turns, args.temperature)
     assert (kw["tool_schemas"] is not None) == args.tools == bool(rec["sample"][0].args[0].tools)
-    if args.mode == "kd":  # the teacher sampled, and the student maximizes the likelihood of its tokens
-        assert not rec["update_policy"] and len(rec["kd_update"]) == 1
-        call = rec["kd_update"][0]
+    if args.mode != "on-policy":  # kd, gkd: one supervised update
+        assert not rec["update_policy"] and len(rec["distill_update"]) == 1
+        call = rec["distill_update"][0]
         batch = call.args[2]
-        torch.testing.assert_close(batch.engine_logp, logp_of(teacher, batch.inputs, batch.targets, args.temperature) * batch.mask,
-                                   atol=2e-5, rtol=1e-4)
-        update = {k: call.kwargs[k] for k in ("temperature", "ppo_epochs", "minibatches", "micro_batch_tokens", "grad_clip")}
+        x, y, m = batch.inputs, batch.targets, batch.mask
+        update = {k: call.kwargs[k] for k in ("ppo_epochs", "minibatches", "micro_batch_tokens", "grad_clip")}
         assert update == {k: getattr(args, k) for k in update}
+        sampler, other = (teacher, "gkd_loss") if args.mode == "kd" else (student, "kd_loss")
+        torch.testing.assert_close(batch.engine_logp, logp_of(sampler, x, y, args.temperature) * m,
+                                   atol=2e-5, rtol=1e-4)
+        assert not rec[other]
+        if args.mode == "kd":  # the student's log-probs of the teacher's tokens, at --temperature
+            whole = logp_of(student, x, y, args.temperature) * m
+            assert abs(sum(float(c.out) for c in rec["kd_loss"]) - float(-whole.sum() / m.sum())) < 1e-5
+            return
+        # gkd: the passes' losses add up to TRL's generalized JSD over the whole batch's logits (the student
+        # is the one at --init: one minibatch, one epoch, so every pass runs before the only optimizer step)
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.gkd import GKDTrainer
+        expected = GKDTrainer.generalized_jsd_loss(student(x), teacher(x), labels=y, beta=args.beta,
+                                                   temperature=args.temperature)
+        assert all(c.kwargs["beta"] == args.beta and c.kwargs["temperature"] == args.temperature
+                   for c in rec["gkd_loss"])
+        assert (len(rec["gkd_loss"]) > 1) == (args.micro_batch_tokens < 100)  # split into passes: the same sum
+        assert abs(sum(float(c.out) for c in rec["gkd_loss"]) - float(expected)) < 1e-5
         return
-    assert not rec["kd_update"] and len(rec["update_policy"]) == 1
+    assert not rec["distill_update"] and len(rec["update_policy"]) == 1
     call = rec["update_policy"][0]
     batch, kw = call.args[2], call.kwargs
     x, y, m = batch.inputs, batch.targets, batch.mask
