@@ -25,7 +25,7 @@ log-probs of the same tokens, and the advantage of each token (reverse_kl_advant
 chat_rl.update_policy with per-token advantages; 4. log. Two supervised modes share distill_update:
   --mode gkd   GKD's on-policy form (its lambda = 1): on the student's own samples, the generalized JSD
                between the two models' WHOLE next-token distributions at each position (generalized_jsd,
-               --beta), not only the sampled token's log-probs; a gradient without sampling noise over the
+               --gkd-beta), not only the sampled token's log-probs; a gradient without sampling noise over the
                vocabulary, at the price of both heads' (tokens, V) logits, computed in chunks (gkd_loss).
   --mode kd    the teacher samples, and the student maximizes the likelihood of the teacher's tokens:
                supervised, off-policy, for contrast.
@@ -78,8 +78,8 @@ parser.add_argument("--mode", choices=["on-policy", "gkd", "kd"], default="on-po
                     help="the student samples and the teacher grades each sampled token; gkd: the student samples "
                     "and learns the teacher's whole next-token distribution there; kd: the teacher samples and the "
                     "student learns its answers by NLL")
-parser.add_argument("--beta", type=float, default=0.5, help="--mode gkd: the generalized JSD's beta (0: forward KL, "
-                    "1: reverse KL; TRL's default 0.5)")
+parser.add_argument("--gkd-beta", type=float, default=0.5, help="--mode gkd: the generalized JSD's beta (0: forward "
+                    "KL, 1: reverse KL; TRL's default 0.5)")
 add_sampling_flags(parser)  # --data, --steps, --prompts-per-step, --max-new-tokens, --temperature, --tools, ...
 parser.add_argument("--samples-per-prompt", type=int, default=4, help="answers sampled per prompt")
 parser.add_argument("--discount", type=float, default=0.0, help="a token's advantage adds the discounted rewards of "
@@ -229,8 +229,6 @@ def main():
                               num_prompts=args.num_prompts, seed=args.seed)
     if not 0 <= args.discount <= 1:
         raise UserError(f"--discount {args.discount}: must be in [0, 1]")
-    if not 0 <= args.beta <= 1:
-        raise UserError(f"--beta {args.beta}: must be in [0, 1]")
     if args.mode == "gkd" and args.fsdp:  # gkd_loss reads each model's whole head weight outside its forward
         raise UserError("--mode gkd runs the vocabulary heads outside the models' forward, which --fsdp shards; "
                         "use DDP (torchrun without --fsdp)")
@@ -335,7 +333,7 @@ def main():
                     with torch.no_grad():
                         h_t = teacher(p(batch.inputs), p(batch.targets), graded_hidden=True)
                 return gkd_loss(h_s, unwrap(model).lm_head.weight, h_t, unwrap(teacher).lm_head.weight,
-                                beta=args.beta, normalizer=normalizer, temperature=args.temperature,
+                                beta=args.gkd_beta, normalizer=normalizer, temperature=args.temperature,
                                 precision=unwrap(model).head_precision)
             totals = distill_update(model, optimizer, batch, step=step, loss_of=loss_of, **update)
         else:  # kd: the likelihood of the teacher's tokens

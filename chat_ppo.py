@@ -50,9 +50,9 @@ from evaluation import heldout_scores
 from lora import adapters_off, add_lora_flags, lora_options
 from packing import micro_batches
 from rewards import Grader, grader_shapes
-from rollout import (add_rollout_flags, batch_logprobs, clipped_surrogate, draw_prompts, importance_ratio, kl_penalty,
+from rollout import (add_rollout_flags, batch_logprobs, clipped_surrogate, draw_prompts, importance_ratio,
                      minibatches_of, prompt_length, prompts_per_rank, rollout_metrics, sample, sampler_correction,
-                     training_batch)
+                     token_rewards, training_batch, whiten)
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import settle_chat_template
@@ -102,22 +102,7 @@ add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targ
 
 
 # ------------------------------------------------------------------------------------------------
-# Rewards: one score at the end of the answer, a KL penalty at every token
-
-def token_rewards(scores, logp, ref_logp, mask, beta, kind="k1"):
-    """Per-token rewards (B, T) and the per-token KL (B, T), OpenRLHF's compute_reward shape:
-    -beta * KL(actor || reference) at every answer token, plus the answer's score at its LAST answer
-    token (the last position of the mask: found from the mask, never by searching for a pad or eos id).
-    k1 = log p_actor - log p_ref is the unbiased per-token KL (it may be negative on a single token).
-    Worked numbers: score 1.0, k1 = 0.2, 0.1, 0.8 over three tokens, beta 0.1 -> -0.02, -0.01, +0.92."""
-    mask = mask.to(logp.dtype)
-    kl = kl_penalty(logp, ref_logp, kind) * mask
-    rewards = -beta * kl
-    last = mask.size(1) - 1 - mask.flip(1).argmax(1)      # index of each row's last answer token
-    has_answer = (mask.sum(1) > 0).to(rewards.dtype)      # a row with no trained token gets nothing
-    rewards[torch.arange(mask.size(0)), last] += scores.to(rewards.dtype) * has_answer
-    return rewards, kl
-
+# Rewards: one score at the end of the answer, a KL penalty at every token (rollout.token_rewards)
 
 def adaptive_kl_beta(beta, kl, target, horizon, n_answers):
     """The adaptive KL controller of Ziegler et al. 2019: nudge beta so that the KL per answer (the sum
@@ -162,15 +147,6 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
         next_adv = torch.where(in_answer, adv_t, next_adv)          # skipped tokens keep the carry
         next_value = torch.where(in_answer, values[:, t], next_value)
     return advantages, (advantages + values) * mask
-
-
-def whiten(advantages, mask, eps=1e-8):
-    """Advantages to mean 0, std 1 over the answer tokens of the global batch (every rank's, so a rank
-    with only wrong answers is not told they were average). Zero outside the mask.
-    Example: A = 0.436389, 0.406725, 0.375500, 0.290000, 0.200000 (gae's example; mean 0.341723,
-    std 0.086126) -> +1.0992, +0.7547, +0.3922, -0.6005, -1.6455."""
-    mean, var = global_mean_var(advantages, mask)
-    return (advantages - mean) * (var + eps) ** -0.5 * mask.to(advantages.dtype)
 
 
 def explained_variance(values, returns, mask):
@@ -417,7 +393,7 @@ def main():
         # 5. this rank's sums, added over the ranks in one collective: the KL controller's input, and the log's
         train_clock += time.time() - t_step
         s = all_reduce_dict({**rollouts.stats(), "score": float(scores.sum()), "kl": float(kl.sum()),
-                             "verifier_errors": float(len(rollouts.errors)), "tokens": float(mask.sum()),
+                             "tokens": float(mask.sum()),
                              "values": float(old_values.sum()), "returns": float(returns.sum()),
                              "entropy": float((entropy * mask).sum()),
                              "mismatch": float(((old_logp - batch.engine_logp).abs() * mask).sum()),
@@ -436,7 +412,6 @@ def main():
             **rollout_metrics(s),
             "reward": s["score"] / s["answers"],  # the score, before the KL penalty
             "length_max": max(len(c.tokens) for c in rollouts.completions),  # this rank's
-            "verifier_errors": s["verifier_errors"],
             "kl": s["kl"] / n_tok,  # per token (k-estimator of --kl-kind)
             "kl_per_answer": kl_per_answer,
             "kl_beta": kl_beta,

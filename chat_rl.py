@@ -11,11 +11,12 @@ steps reuse one batch of rollouts:
 
     GRPO      DeepSeekMath, Shao et al. 2024            https://arxiv.org/abs/2402.03300
     Dr. GRPO  Liu et al. 2025 (no std, no length norm)  https://arxiv.org/abs/2503.20783
-    DAPO      Yu et al. 2025 (clip-higher, token-mean, dynamic sampling, overlong shaping)
-                                                        https://arxiv.org/abs/2503.14476
+    DAPO      Yu et al. 2025 (clip-higher, dynamic sampling, overlong shaping)  https://arxiv.org/abs/2503.14476
     GSPO      Zheng et al. 2025 (sequence-level ratio)  https://arxiv.org/abs/2507.18071
     CISPO     MiniMax-M1 2025 (clipped, detached IS weight)  https://arxiv.org/abs/2506.13585
     RLOO      Ahmadian et al. 2024 (leave-one-out baseline)  https://arxiv.org/abs/2402.14740
+    REINFORCE++  Hu et al. 2025 (global whitening)      https://arxiv.org/abs/2501.03262
+    80/20     Wang et al. 2025 (high-entropy tokens only)  https://arxiv.org/abs/2506.01939
 
 Where the defaults depart from paper GRPO, and why (each departure is one flag away from the paper):
 - token-mean aggregation (paper: seq-mean-token-mean, --agg): the paper averages each answer's tokens, so a
@@ -31,10 +32,11 @@ Where the defaults depart from paper GRPO, and why (each departure is one flag a
 - the sampler correction, token-tis (--correction none): the engine's numerics are not the trainer's, so
   each token is weighted by min(p_trainer / p_engine, 2), truncated importance sampling.
 
-One step reads as four: 1. rollouts (rollout.sample, with dynamic sampling); 2. advantages and the snapshot
-of the policy that sampled (and of the reference); 3. the update (update_policy): --ppo-epochs passes of
---minibatches optimizer steps on policy_loss; 4. log. Off the default path, marked where they act: sampling
-from stale weights (--off-policy, --staleness), the entropy bonus, the KL penalty, --target-kl's early stop.
+One step reads as four: 1. rollouts (rollout.sample, with dynamic sampling); 2. the snapshot of the policy that
+sampled (and of the reference), and the advantages; 3. the update (update_policy): --ppo-epochs passes of
+--minibatches optimizer steps on policy_loss; 4. log. Off the default path, marked where they act: sampling from
+stale weights (--off-policy, --staleness), the 80/20 token mask, REINFORCE++'s advantages, the entropy bonus, the
+KL penalty, --target-kl's early stop.
 
     python chat_rl.py                                                   # 1 CPU, the embedded world
     torchrun --standalone --nproc_per_node=2 chat_rl.py                 # 2 CPU ranks (1 thread each)
@@ -65,8 +67,9 @@ from lora import adapters_off, add_lora_flags, lora_options
 from rewards import Grader, grader_shapes
 from rollout import (ENGINE_DTYPES, IDLE_PATIENCE, StaleSampler, add_overlong_penalty, add_rollout_flags,
                      batch_logprobs, clipped_surrogate, draw_prompts, dynamic_sampling, flat_answers, heldout_rewards,
-                     idle_warning, importance_ratio, kl_penalty, kl_to_start, minibatches_of, prompt_length,
-                     prompts_per_rank, rollout_metrics, sample, sampler_correction, training_batch)
+                     high_entropy_mask, idle_warning, importance_ratio, kl_penalty, kl_to_start, minibatches_of,
+                     prompt_length, prompts_per_rank, returns_to_go, rollout_metrics, sample, sampler_correction,
+                     token_rewards, training_batch, whiten)
 from rundir import add_run_flags, open_run, start_run, write_eval
 from tasks import CALCULATOR_SCHEMA, TOOLS
 from tokenizer import PROMPT_FORMATS, settle_chat_template
@@ -89,14 +92,14 @@ parser.add_argument("--engine-dtype", choices=ENGINE_DTYPES, default="auto", hel
 parser.add_argument("--sampler-temperature", type=float, default=None, help="sample at this temperature, score at "
                     "--temperature: a sampler unlike the trainer, of known size (default: --temperature)")
 # rewards
-parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong penalty over the last N tokens "
-                    "before the limit (0: off)")
+parser.add_argument("--overlong-buffer", type=int, default=0, help="DAPO's overlong penalty's last N tokens (0: off)")
 parser.add_argument("--overlong-penalty", type=float, default=1.0, help="the penalty at the limit")
 # advantages and the loss
-parser.add_argument("--estimator", choices=["grpo", "rloo"], default="grpo", help="group mean, or leave-one-out mean, "
-                    "baseline")
-parser.add_argument("--scale", choices=["group", "batch", "none"], default="group", help="divide by the group's std, "
-                    "the batch's, or not at all (Dr. GRPO)")
+parser.add_argument("--estimator", choices=["grpo", "rloo", "reinforce++", "reinforce++-baseline"], default="grpo",
+                    help="group mean, or leave-one-out mean, baseline; REINFORCE++: each token's return (the KL in "
+                    "the reward), or the group mean, whitened over the batch")
+parser.add_argument("--scale", choices=["group", "batch", "none"], default="group", help="grpo, rloo: divide by the "
+                    "group's std, the batch's, or not at all (Dr. GRPO)")
 parser.add_argument("--eps-low", type=float, default=0.2)
 parser.add_argument("--eps-high", type=float, default=0.28, help="clip-higher (DAPO); 0.2 for symmetric PPO")
 parser.add_argument("--agg", choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
@@ -108,10 +111,12 @@ parser.add_argument("--cispo-cap", type=float, default=5.0, help="--loss cispo: 
 parser.add_argument("--dual-clip", type=float, default=None, help="dual-clip PPO's bound for A < 0 (e.g. 3.0)")
 parser.add_argument("--mask-truncated", action="store_true", help="answers cut off at the length limit: no gradient")
 parser.add_argument("--entropy-coef", type=float, default=0.0, help="weight of the entropy bonus (aggregated as --agg)")
+parser.add_argument("--top-entropy", type=float, default=1.0, help="train on this fraction of the batch's tokens, "
+                    "those of highest entropy (Wang et al. 2025: 0.2; TRL's top_entropy_quantile); 1: every token")
 parser.add_argument("--kl-beta", type=float, default=0.0, help="KL penalty weight to the frozen start (0: none)")
 parser.add_argument("--log-kl-to-start", action="store_true", help="log kl_to_start at --kl-beta 0 (loads the start)")
 parser.add_argument("--kl-kind", choices=["k1", "k2", "k3"], default="k2", help="KL estimator in the loss (k2: its "
-                    "gradient is the exact KL gradient)")
+                    "gradient is the exact KL gradient); in the reward under --estimator reinforce++ (its paper: k1)")
 parser.add_argument("--target-kl", type=float, default=None, help="stop this step's updates once the approximate KL to "
                     "the sampling policy exceeds it (CleanRL)")
 parser.add_argument("--mask-kl-coef", type=float, default=0.0, help="token-mask: prime-rl's squared log-ratio weight")
@@ -127,13 +132,15 @@ add_lora_flags(parser)  # --lora-rank, --lora-alpha, --lora-dropout, --lora-targ
 # Advantages
 
 def group_advantages(rewards, group_size, scale="group", estimator="grpo", eps=1e-6):
-    """One advantage per answer, relative to its group of `group_size` answers to the same prompt.
+    """One advantage per answer, relative to its group of `group_size` answers to the same prompt; scale="batch"
+    divides by the std of the rewards of the WHOLE batch, every rank's answers (common.global_mean_var).
 
     Example: rewards [1, 0, 0, 1, 0, 1, 0, 0] (G = 8), mean 0.375, population std 0.4841 (as the seed's table;
     TRL and verl divide by Bessel's std, 0.5175, so their advantages are sqrt((G - 1) / G) = 0.9354 of these):
     a correct answer gets (1 - 0.375) / 0.4841 = +1.2910, a wrong one -0.7746; without the division
     (Dr. GRPO, scale="none") +0.6250 and -0.3750. A group whose rewards are all equal teaches nothing:
-    its advantages are exactly 0, never a float-noise std blown up into a huge number (NeMo-RL#4161)."""
+    its advantages are exactly 0, never a float-noise std blown up into a huge number (NeMo-RL#4161).
+    scale="batch", G = 2: rewards [1, 0, 1, 1] -> group means 0.5, 1; batch std 0.4330: +1.1547, -1.1547, 0, 0."""
     r = rewards.double().view(-1, group_size)
     if estimator == "grpo":
         baseline = r.mean(dim=1, keepdim=True)
@@ -146,21 +153,10 @@ def group_advantages(rewards, group_size, scale="group", estimator="grpo", eps=1
     if scale == "group":
         adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
     elif scale == "batch":
-        adv = adv / (r.std(unbiased=False) + eps)
+        adv = adv / (global_mean_var(r)[1] ** 0.5 + eps)
     elif scale != "none":
         raise ValueError(f"unknown scale {scale!r}")
     return adv.masked_fill(flat, 0.0).view(-1).float()
-
-
-def step_advantages(rewards, group_size, scale, estimator):
-    """group_advantages of this rank's answers, where scale="batch" divides by the std of the rewards of
-    the WHOLE batch, every rank's answers (global_mean_var), not only this rank's.
-    Example, one rank, G = 2: rewards [1, 0, 1, 1] -> group means 0.5, 1; batch std sqrt(0.1875) = 0.4330:
-    advantages +1.1547, -1.1547, 0, 0."""
-    if scale != "batch":
-        return group_advantages(rewards, group_size, scale=scale, estimator=estimator)
-    _, var = global_mean_var(rewards)
-    return group_advantages(rewards, group_size, scale="none", estimator=estimator) / (var ** 0.5 + 1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -170,19 +166,19 @@ def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.2, dua
                 agg="token-mean", loss_type="ppo", normalizer=None, max_len=None, weights=None, cispo_cap=5.0):
     """The clipped importance-ratio objective, negated (a loss to minimize). Returns (loss, stats).
 
-    logp: (B, T) log-probs under the policy being trained (with gradient); old_logp: the same tokens
-    under the policy that sampled them, a snapshot taken before the first update on this batch;
-    advantages: (B,) one per answer, or (B, T) per token; mask: (B, T), 1 on the answer's sampled tokens.
+    logp: (B, T) log-probs under the policy being trained (with gradient); old_logp: the same tokens under the
+    policy that sampled them, a snapshot taken before the first update on this batch; advantages: (B,) one per
+    answer, or (B, T) per token; mask: (B, T), 1 on the answer's sampled tokens.
 
-    The paper's objective, per token: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp -
-    old_logp). eps_high > eps_low is DAPO's clip-higher. Example, A = +1: a rare token at p_old 0.1003
-    with ratio 1.4918 is clipped to 1.2 with eps 0.2 (p may reach 0.1203) and to 1.28 with eps_high 0.28
-    (0.1283); a common token at p_old 0.8187, ratio 1.1052, is inside either range.
+    The paper's objective, per token: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), r = exp(logp - old_logp).
+    eps_high > eps_low is DAPO's clip-higher. Example, A = +1: a rare token at p_old 0.1003 with ratio 1.4918 is
+    clipped to 1.2 with eps 0.2 (p may reach 0.1203) and to 1.28 with eps_high 0.28 (0.1283); a common token at
+    p_old 0.8187, ratio 1.1052, is inside either range.
     Departures, each off by default:
-      level="sequence" (GSPO): one ratio per answer, exp(mean over its tokens of log r), the geometric
-          mean of the token ratios. Example: log-ratios -0.02, +0.02, -0.02, +0.90, -0.01 give
-          exp(0.87 / 5) = 1.1901, inside the clip range where the fourth token's own ratio 2.4596 is
-          not. Its value is per answer; the gradient flows through each token's log-prob.
+      level="sequence" (GSPO): one ratio per answer, exp(mean over its tokens of log r), the geometric mean of the
+          token ratios. Example: log-ratios -0.02, +0.02, -0.02, +0.90, -0.01 give exp(0.87 / 5) = 1.1901, inside
+          the clip range where the fourth token's own ratio 2.4596 is not. Its value is per answer; the gradient
+          flows through each token's log-prob.
       dual_clip=c: the loss of a negative-advantage token is at most -c A (dual-clip PPO).
       loss_type="cispo": -sg(min(r, cispo_cap)) A log p, MiniMax-M1's weight: capped, no lower bound, detached, so
           no token leaves the gradient ("Wait", "However" keep theirs). TRL's loss_type="cispo" at epsilon_high=c
@@ -245,16 +241,15 @@ def aggregate(per_token, mask, agg="token-mean", normalizer=None, max_len=None):
 def update_policy(model, optimizer, batch, *, old_logp, advantages, step, loss_settings, weights=None, ref_logp=None,
                   kl_beta=0.0, kl_kind="k2", entropy_coef=0.0, mask_kl_coef=0.0, target_kl=None, ppo_epochs=1,
                   minibatches=2, micro_batch_tokens=8192, grad_clip=1.0, temperature=1.0, top_k=None, top_p=None):
-    """ppo_epochs passes over one batch of rollouts, each split into `minibatches` optimizer steps, each
-    minibatch into forward passes of at most micro_batch_tokens tokens. The loss of a pass: policy_loss
-    (its settings: loss_settings, e.g. {"eps_low": 0.2, "eps_high": 0.28, "agg": "token-mean"}), and, each
-    off at 0: minus entropy_coef times the entropy, plus kl_beta times the KL to the reference (ref_logp, by
-    kl_kind), plus mask_kl_coef times the squared log-ratio to the sampler (prime-rl, with token-mask).
-    Every term is aggregated as the policy loss is (--agg, as verl and TRL do: paper GRPO's KL is a per-answer
-    mean too), over the GLOBAL counts of the minibatch (all passes, all ranks), so the split into passes and ranks
-    cannot change the gradient. After each optimizer step the approximate KL between
-    the sampling policy and the current one is measured over all ranks; past target_kl the remaining
-    updates of this batch are skipped (every rank sees the same number, so every rank stops).
+    """ppo_epochs passes over one batch of rollouts, each split into `minibatches` optimizer steps, each minibatch into
+    forward passes of at most micro_batch_tokens tokens. The loss of a pass: policy_loss (its settings: loss_settings,
+    e.g. {"eps_low": 0.2, "eps_high": 0.28, "agg": "token-mean"}), and, each off at 0: minus entropy_coef times the
+    entropy, plus kl_beta times the KL to the reference (ref_logp, by kl_kind), plus mask_kl_coef times the squared
+    log-ratio to the sampler (prime-rl, with token-mask). Every term is aggregated as the policy loss is (--agg, as
+    verl and TRL do: paper GRPO's KL is a per-answer mean too), over the GLOBAL counts of the minibatch (all passes,
+    all ranks), so the split into passes and ranks cannot change the gradient. After each optimizer step the
+    approximate KL between the sampling policy and the current one is measured over all ranks; past target_kl the
+    remaining updates of this batch are skipped (every rank sees the same number, so every rank stops).
     advantages: (B,) one per answer, or (B, T) per token; weights: the sampler correction (B, T) or None;
     temperature, top_k, top_p: the distribution the answers were sampled from, which the log-probs are of.
     Returns sums over this rank's tokens and the updates' statistics."""
@@ -306,7 +301,8 @@ def update_settings(args) -> dict:
     return dict(loss_settings=dict(eps_low=args.eps_low, eps_high=args.eps_high, dual_clip=args.dual_clip,
                                    level=args.level, agg=args.agg, loss_type=args.loss, max_len=args.max_new_tokens,
                                    cispo_cap=args.cispo_cap),
-                kl_beta=args.kl_beta, kl_kind=args.kl_kind, entropy_coef=args.entropy_coef,
+                kl_beta=0.0 if args.estimator == "reinforce++" else args.kl_beta,  # REINFORCE++: in the reward
+                kl_kind=args.kl_kind, entropy_coef=args.entropy_coef,
                 mask_kl_coef=args.mask_kl_coef if args.correction == "token-mask" else 0.0, target_kl=args.target_kl,
                 ppo_epochs=args.ppo_epochs, minibatches=args.minibatches, micro_batch_tokens=args.micro_batch_tokens,
                 grad_clip=args.grad_clip, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
@@ -405,10 +401,9 @@ def main():
         rollouts, groups, staleness = behind(step) if behind else (*sample_step(engine, step), 0)
         t_sample = time.time() - t_step
 
-        # 2. advantages (one per answer, relative to its group), the tensors, and the snapshot of the
-        #    policy that sampled (and of the reference), before any update on this batch
+        # 2. the tensors, the snapshot of the policy that sampled (and of the reference) before any update on
+        #    this batch, and the advantages: one per answer relative to its group, or REINFORCE++'s per token
         t1 = time.time()
-        adv = step_advantages(rollouts.rewards, G, args.scale, args.estimator).to(device)
         batch = training_batch(rollouts.prompts, rollouts.completions, tok.pad_id, device, args.mask_truncated)
         flat = flat_answers(rollouts.rewards, G) & args.dynamic_sampling  # the last round's flat groups train nothing
         sampled, mask = batch.mask.clone(), batch.mask  # every sampled token (the sampler's diagnostics); the trained
@@ -420,16 +415,26 @@ def main():
                 ref_logp = batch_logprobs(ref_model, batch, args.micro_batch_tokens, temperature=args.temperature)
         weights = sampler_correction(old_logp, batch.engine_logp, sampled, args.correction, cap=args.tis_cap,
                                      eps=args.mask_eps)
+        if args.estimator == "reinforce++":  # the score at the last token, -beta KL at each: returns, whitened
+            rewards, _ = token_rewards(rollouts.rewards.to(device), old_logp, ref_logp, mask, args.kl_beta,
+                                       args.kl_kind)
+            adv = whiten(returns_to_go(rewards, mask), mask)
+        elif args.estimator == "reinforce++-baseline":  # the group-mean advantage, whitened over the batch's tokens
+            adv = whiten(group_advantages(rollouts.rewards, G, "none", "grpo").to(device)[:, None] * mask, mask)
+        else:
+            adv = group_advantages(rollouts.rewards, G, args.scale, args.estimator).to(device)
 
         # 3. the update: --ppo-epochs passes of --minibatches optimizer steps on this batch
-        totals = update_policy(model, optimizer, batch, old_logp=old_logp, advantages=adv, weights=weights,
-                               ref_logp=ref_logp if args.kl_beta > 0 else None, step=step, **settings)
+        # the 80/20 paper (--top-entropy): only the forking tokens, where the policy hesitates, train
+        trained = weights * high_entropy_mask(entropy, mask, args.top_entropy) if args.top_entropy < 1 else weights
+        totals = update_policy(model, optimizer, batch, old_logp=old_logp, advantages=adv, weights=trained,
+                               ref_logp=ref_logp if settings["kl_beta"] > 0 else None, step=step, **settings)
         t_train = time.time() - t1
         train_clock += time.time() - t_step
 
         # 4. log: this rank's sums, added over the ranks in one collective, each then divided by its global count
         s = all_reduce_dict({**rollouts.stats(), "groups": groups["groups"], "flat": groups["flat"],
-                             "flat_kept": float(flat.sum()), "verifier_errors": float(len(rollouts.errors)),
+                             "flat_kept": float(flat.sum()),
                              "sampled": float(sampled.sum()), "entropy": float((entropy * sampled).sum()),
                              "mismatch": float(((old_logp - batch.engine_logp).abs() * sampled).sum()),
                              "correction": float(weights.sum()),
@@ -443,7 +448,6 @@ def main():
         metrics = {
             **rollout_metrics(s),
             "length_max": max(len(c.tokens) for c in rollouts.completions),  # this rank's
-            "verifier_errors": s["verifier_errors"],
             "flat_group_frac": s["flat"] / max(1.0, s["groups"]),  # sampled, every round of dynamic sampling counted
             "flat_groups_kept": s["flat_kept"] / G,  # in the batch, masked: trained on nothing
             "entropy": s["entropy"] / n_sampled,  # of the sampling distribution; it and the next 3: every sampled token
@@ -451,20 +455,16 @@ def main():
             "clip_frac": s["update_clip_frac"] / n_trained,  # where the clip binds (verl's pg_clipfrac)
             "ratio_mean": s["update_ratio"] / n_trained,
             "approx_kl": totals["approx_kl"] / updates,  # (already over every rank)
-            "updates": totals["updates"],
-            "grad_norm": totals["grad_norm"] / updates,
+            "updates": totals["updates"], "grad_norm": totals["grad_norm"] / updates,
             "logprob_mismatch": s["mismatch"] / n_sampled,
             "correction_mean": s["correction"] / n_sampled,  # the sampler correction's mean weight
             "masked_frac": s["masked"] / n_sampled,
-            "staleness": staleness,
-            "sample_tok_per_s": s["sample_tok_per_s"],
-            "train_tok_per_s": s["train_tok_per_s"],
-            "lr": lr,
-            "train_seconds": train_clock,
-            "peak_mem_mb": peak_memory_mb(device),
+            "staleness": staleness,  # how many updates the sampling weights were behind
+            "sample_tok_per_s": s["sample_tok_per_s"], "train_tok_per_s": s["train_tok_per_s"],
+            "lr": lr, "train_seconds": train_clock, "peak_mem_mb": peak_memory_mb(device),
             # how far the policy that sampled this batch is from the start, per answer; the KL term, per token
             **({"kl_to_start": s["kl_to_start"] / s["answers"]} if ref_model is not None else {}),
-            **({"kl": s["update_kl"] / n_trained} if args.kl_beta > 0 else {}),
+            **({"kl": s["update_kl"] / n_trained} if settings["kl_beta"] > 0 else {}),
         }
         idle_steps = idle_steps + 1 if metrics["flat_group_frac"] == 1.0 or metrics["grad_norm"] == 0.0 else 0
         metrics["idle_steps"] = idle_steps  # consecutive steps without a gradient

@@ -75,6 +75,7 @@ FLAG_RANGES = {
     "mask_eps": "> 0",
     "kl_beta": ">= 0", "kl_target": "> 0", "kl_horizon": "> 0", "target_kl": "> 0", "mask_kl_coef": ">= 0",
     "gamma": ">= 0, <= 1", "lam": ">= 0, <= 1", "value_clip": ">= 0", "discount": ">= 0, <= 1", "beta": "> 0",
+    "gkd_beta": ">= 0, <= 1", "top_entropy": "> 0, <= 1; the fraction of the batch's tokens trained",
     "label_smoothing": ">= 0, < 0.5", "rpo_alpha": ">= 0", "desirable_weight": ">= 0",
     "undesirable_weight": ">= 0", "center_coef": ">= 0", "lm_coef": ">= 0",
 }

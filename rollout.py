@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common import Default, UserError, all_reduce_dict, autocast, dist_info, idle_pass, no_sync, print0
+from common import (Default, UserError, all_gather_objects, all_reduce_dict, autocast, dist_info, global_mean_var,
+                    idle_pass, no_sync, print0)
 from packing import IGNORE, micro_batches
 
 
@@ -122,6 +123,7 @@ class Rollouts:
                 "tool_calls": float(sum(c.tool_calls for c in self.completions)),
                 "tool_errors": float(sum(c.tool_errors for c in self.completions)),
                 "correct": float(correct.sum()), "reward_sum": float(self.rewards.sum()),
+                "verifier_errors": float(len(self.errors)),  # answers a verifier raised on, scored 0
                 "correct_with_tool": float(sum(bool(ok) and c.tool_calls > 0
                                                for ok, c in zip(correct, self.completions))),
                 **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()},
@@ -144,6 +146,7 @@ def rollout_metrics(sums: dict) -> dict:
             **{k: v / n for k, v in sums.items() if k.startswith("reward/")},
             **{k: v for k, v in sums.items() if k.startswith("count/")},
             "length_mean": sums["length_sum"] / n, "truncated_frac": sums["truncated"] / n,
+            "verifier_errors": sums["verifier_errors"],  # answers, not a share
             "tool_use_rate": with_tool / n,             # answers that called a tool
             "tool_turns": sums["tool_calls"] / n,       # tool-calling turns per answer
             "tool_errors": sums["tool_errors"] / n,     # tool results that were errors, per answer
@@ -461,6 +464,24 @@ def sampler_correction(trainer_logp, engine_logp, mask, kind="token-tis", cap=2.
     return (weights * mask).detach()
 
 
+def high_entropy_mask(entropy, mask, top):
+    """1 on the `top` fraction of the batch's trained tokens with the highest entropy, every rank's tokens ranked
+    together, 0 elsewhere (B, T): Wang et al. 2025, "Beyond the 80/20 Rule" (https://arxiv.org/abs/2506.01939)
+    train on the top 20% only, the forking tokens where the policy hesitates between paths. As TRL's
+    get_high_entropy_mask (top_entropy_quantile = top): a token is kept when its entropy is >= the (1 - top)
+    quantile of all the batch's, linearly interpolated (torch.quantile's rule, written out: torch.quantile
+    refuses more than 2^24 values). Example: entropies 0.1, 0.5, 0.9, 2.0, 0.3 at top 0.4: sorted 0.1, 0.3,
+    0.5, 0.9, 2.0, the 0.6 quantile at position 0.6 * 4 = 2.4 is 0.5 + 0.4 * (0.9 - 0.5) = 0.66: 0.9 and 2.0 train."""
+    mine = entropy[mask.bool()].float().cpu()
+    values = torch.cat(all_gather_objects(mine)).sort().values
+    if values.numel() == 0:
+        return torch.zeros_like(mask)
+    pos = (1 - top) * (values.numel() - 1)
+    lo = int(pos)
+    threshold = values[lo] + (values[min(lo + 1, values.numel() - 1)] - values[lo]) * (pos - lo)
+    return ((entropy >= threshold.to(entropy.device)) & mask.bool()).to(mask.dtype)
+
+
 def kl_penalty(logp, ref_logp, kind="k3"):
     """Per-token estimators of KL(policy || reference) from tokens sampled by the policy
     (Schulman, "Approximating KL divergence", 2020). With log r = ref_logp - logp:
@@ -479,6 +500,39 @@ def kl_penalty(logp, ref_logp, kind="k3"):
     if kind == "k3":
         return torch.exp(log_r) - 1 - log_r
     raise ValueError(f"unknown KL estimator {kind!r}")
+
+
+def token_rewards(scores, logp, ref_logp, mask, beta, kind="k1"):
+    """Per-token rewards (B, T) and the per-token KL (B, T), OpenRLHF's compute_reward shape:
+    -beta * KL(actor || reference) at every answer token, plus the answer's score at its LAST answer
+    token (the last position of the mask: found from the mask, never by searching for a pad or eos id).
+    k1 = log p_actor - log p_ref is the unbiased per-token KL (it may be negative on a single token). chat_ppo.py's
+    rewards, and REINFORCE++'s (chat_rl.py --estimator reinforce++); ref_logp None: no reference, no penalty.
+    Worked numbers: score 1.0, k1 = 0.2, 0.1, 0.8 over three tokens, beta 0.1 -> -0.02, -0.01, +0.92."""
+    mask = mask.to(logp.dtype)
+    kl = kl_penalty(logp, ref_logp, kind) * mask if ref_logp is not None else torch.zeros_like(logp)
+    rewards = -beta * kl
+    last = mask.size(1) - 1 - mask.flip(1).argmax(1)      # index of each row's last answer token
+    has_answer = (mask.sum(1) > 0).to(rewards.dtype)      # a row with no trained token gets nothing
+    rewards[torch.arange(mask.size(0)), last] += scores.to(rewards.dtype) * has_answer
+    return rewards, kl
+
+
+def returns_to_go(rewards, mask):
+    """Each answer token's return at discount 1: its own reward and every later one of its answer (B, T), 0
+    outside the mask (GAE with no critic and lambda 1). Example: rewards -0.02, -0.01, +0.92 -> 0.89, 0.91, 0.92."""
+    mask = mask.to(rewards.dtype)
+    return (rewards * mask).flip(1).cumsum(1).flip(1) * mask
+
+
+def whiten(advantages, mask, eps=1e-8):
+    """Advantages to mean 0, std 1 over the answer tokens of the global batch (every rank's, so a rank
+    with only wrong answers is not told they were average). Zero outside the mask. PPO's, and REINFORCE++'s
+    global normalization (population variance; verl's masked_whiten divides by Bessel's).
+    Example: A = 0.436389, 0.406725, 0.375500, 0.290000, 0.200000 (gae's example; mean 0.341723,
+    std 0.086126) -> +1.0992, +0.7547, +0.3922, -0.6005, -1.6455."""
+    mean, var = global_mean_var(advantages, mask)
+    return (advantages - mean) * (var + eps) ** -0.5 * mask.to(advantages.dtype)
 
 
 def kl_to_start(logp, ref_logp, mask):

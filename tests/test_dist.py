@@ -1,6 +1,7 @@
 """Collectives that scale: --dist-timeout bounds how long a rank waits in a collective, a rank with fewer
 batches joins the others' passes (rank_passes), a NaN loss on one rank stops every rank naming it, and held-out
-evaluation split across 2 gloo ranks (each its share, the sums all-reduced) equals one process."""
+evaluation split across 2 gloo ranks (each its share, the sums all-reduced) equals one process, and so do the RL
+statistics taken over a whole batch (the 80/20 token mask, REINFORCE++'s whitening, --scale batch)."""
 import json
 import os
 import socket
@@ -165,3 +166,39 @@ def test_evaluation_on_two_ranks_equals_one_process(tmp_path, tok, monkeypatch):
     for k, v in one["metrics"].items():
         assert abs(v - two["metrics"][k]) < 1e-9, k
     assert abs(one["val_loss"] - two["val_loss"]) < 1e-5
+
+
+def _batch_statistics(rank, port, out):
+    """This rank's share of a batch (rank 0: rows 0-1, rank 1: rows 2-5) through the RL statistics taken over the
+    whole batch: the 80/20 paper's high-entropy mask, REINFORCE++'s whitening, and --scale batch's std."""
+    from chat_rl import group_advantages
+    from rollout import high_entropy_mask, whiten
+    if rank is not None:
+        _env(rank, port)
+        init_dist("cpu")
+    rows = slice(0, 6) if rank is None else (slice(0, 2) if rank == 0 else slice(2, 6))
+    torch.manual_seed(0)
+    entropy, mask, rewards = torch.rand(6, 7) * 3, (torch.rand(6, 7) > 0.3).float(), torch.rand(6).round()
+    got = {"mask": high_entropy_mask(entropy[rows], mask[rows], 0.3), "whiten": whiten(entropy[rows], mask[rows]),
+           "batch_scale": group_advantages(rewards[rows], 2, "batch", "grpo")}
+    if rank is None:
+        return got
+    torch.save(got, f"{out}.{rank}.pt")
+    cleanup_dist()
+
+
+@pytest.mark.slow  # a multi-rank equivalence: runs/test.sh --all
+def test_rl_batch_statistics_on_two_ranks_equal_one_process(tmp_path):
+    # each rank holds a share of the batch, and every statistic ranks or normalizes over all of it: the same numbers
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_batch_statistics, args=(r, port, str(tmp_path / "out"))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    single = _batch_statistics(None, None, None)
+    ranks = [torch.load(tmp_path / f"out.{r}.pt") for r in range(2)]
+    for key, value in single.items():
+        torch.testing.assert_close(torch.cat([r[key] for r in ranks]), value, atol=1e-6, rtol=1e-6)
+    assert 0 < float(single["mask"].sum()) < float((single["mask"] >= 0).sum())

@@ -767,15 +767,73 @@ def test_kl_kinds_give_different_gradients_to_the_weights():
 
 
 def test_batch_scale_divides_by_the_whole_batchs_std():
-    from chat_rl import step_advantages
     r = torch.tensor([1.0, 0.0, 1.0, 1.0])
     sd = math.sqrt(((r - r.mean()) ** 2).mean())                 # 0.4330, over all four answers
-    torch.testing.assert_close(step_advantages(r, 2, "batch", "grpo"), torch.tensor([0.5, -0.5, 0, 0]) / sd,
+    torch.testing.assert_close(group_advantages(r, 2, "batch", "grpo"), torch.tensor([0.5, -0.5, 0, 0]) / sd,
                                atol=1e-5, rtol=0)
-    assert close(step_advantages(r, 2, "batch", "grpo")[0], 1.1547, 1e-4)
-    r = torch.tensor([3.0, 1.0, 0.0, 0.0, 2.0, 0.0])            # group std differs from the batch's
-    for scale in ("group", "none"):
-        torch.testing.assert_close(step_advantages(r, 3, scale, "rloo"), group_advantages(r, 3, scale, "rloo"))
+    assert close(group_advantages(r, 2, "batch", "grpo")[0], 1.1547, 1e-4)
+    r = torch.tensor([3.0, 1.0, 0.0, 0.0, 2.0, 0.0])            # the group's std differs from the batch's
+    assert not torch.allclose(group_advantages(r, 3, "batch", "rloo"), group_advantages(r, 3, "group", "rloo"))
+
+
+def test_high_entropy_mask_worked_example_and_trls():
+    """rollout.high_entropy_mask: the docstring's example, then TRL 1.16's GRPOTrainer.get_high_entropy_mask (its
+    top_entropy_quantile = our top) on random entropies over a padded batch, at several fractions."""
+    import os
+    from rollout import high_entropy_mask
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl import GRPOTrainer
+
+    class OneProcess:  # TRL gathers over processes with accelerate; one process gathers itself
+        class accelerator:
+            pad_across_processes = staticmethod(lambda x, dim, pad_index: x)
+            gather = staticmethod(lambda x: x)
+    entropy = torch.tensor([[0.1, 0.5, 0.9, 2.0, 0.3, 7.0]])
+    mask = torch.tensor([[1.0, 1, 1, 1, 1, 0]])  # the last is padding: neither ranked nor kept
+    assert high_entropy_mask(entropy, mask, 0.4).tolist() == [[0, 0, 1, 1, 0, 0]]
+    torch.manual_seed(0)
+    entropy, mask = torch.rand(4, 9) * 3, (torch.rand(4, 9) > 0.3).float()
+    for top in (0.05, 0.2, 0.5, 0.8, 1.0):
+        trl = GRPOTrainer.get_high_entropy_mask(OneProcess(), entropy, mask, 1 - top)
+        assert high_entropy_mask(entropy, mask, top).bool().tolist() == trl.tolist(), top
+        assert abs(float(high_entropy_mask(entropy, mask, top).sum()) - top * float(mask.sum())) <= 1
+
+
+def test_reinforce_pp_advantages_by_hand_and_against_verls():
+    """REINFORCE++'s pieces (rollout.token_rewards, returns_to_go, whiten), composed as chat_rl composes them,
+    against a hand computation and verl's compute_reinforce_plus_plus_outcome_advantage (written out below from
+    verl/trainer/ppo/core_algos.py: returns with gamma 1, then masked_whiten, whose variance is Bessel's: verl's
+    advantages are sqrt((n - 1) / n) of ours, n the answer tokens of the batch)."""
+    from rollout import returns_to_go, token_rewards, whiten
+    # two answers, rewards 1 and 0, of 2 tokens and 1; beta * k1 = 0.1, 0.2 and 0.3 at their tokens
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    logp, ref = torch.tensor([[0.1, 0.2], [0.3, 0.0]]) * 10, torch.zeros(2, 2)
+    rewards, _ = token_rewards(torch.tensor([1.0, 0.0]), logp, ref, mask, beta=0.1)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.1, 0.8], [-0.3, 0.0]]))  # the score at the last token
+    returns = returns_to_go(rewards, mask)
+    torch.testing.assert_close(returns, torch.tensor([[0.7, 0.8], [-0.3, 0.0]]))
+    adv = whiten(returns, mask)  # mean 0.4, population std sqrt(0.74 / 3) = 0.4967
+    torch.testing.assert_close(adv, torch.tensor([[0.6040, 0.8054], [-1.4094, 0.0]]), atol=1e-4, rtol=0)
+
+    def verl(token_level_rewards, response_mask):
+        returns = torch.zeros_like(token_level_rewards)
+        running_return = 0
+        for t in reversed(range(token_level_rewards.shape[1])):
+            running_return = token_level_rewards[:, t] + running_return
+            returns[:, t] = running_return
+            running_return = running_return * response_mask[:, t]
+        mean = (returns * response_mask).sum() / response_mask.sum()
+        var = ((returns - mean) ** 2 * response_mask).sum() / response_mask.sum()
+        var = var * response_mask.sum() / (response_mask.sum() - 1)  # masked_var(unbiased=True)
+        return (returns - mean) * torch.rsqrt(var + 1e-8) * response_mask
+    torch.manual_seed(0)
+    lengths = torch.tensor([5, 3, 7, 1])
+    mask = (torch.arange(8)[None] < lengths[:, None]).float()
+    logp, ref = -torch.rand(4, 8) * mask, -torch.rand(4, 8) * mask
+    rewards, _ = token_rewards(torch.tensor([1.0, 0.0, 0.5, 1.0]), logp, ref, mask, beta=0.05)
+    n = mask.sum()
+    torch.testing.assert_close(whiten(returns_to_go(rewards, mask), mask) * ((n - 1) / n) ** 0.5, verl(rewards, mask),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_an_answer_masked_whole_is_in_no_denominator():
@@ -836,7 +894,7 @@ def test_the_paper_grpo_command_computes_the_papers_objective():
     paper: J = 1/G sum_i 1/|o_i| sum_t [min(r A_i, clip(r, 0.8, 1.2) A_i) - 0.04 (q/p - log(q/p) - 1)], r = p / p_old,
     q the reference, A_i the group-normalized reward (population std), the loss -J."""
     import exact
-    from chat_rl import parser, step_advantages, update_policy, update_settings
+    from chat_rl import group_advantages, parser, update_policy, update_settings
     from rollout import TrainingBatch
     command = next(line for line in open(os.path.join(REPO, "docs", "rl.md")) if "--kl-kind k3" in line
                    and line.startswith("python chat_rl.py"))
@@ -851,7 +909,7 @@ def test_the_paper_grpo_command_computes_the_papers_objective():
         batch, old = exact.sample(exact.token_logprobs(old_model), G, torch.Generator().manual_seed(0))
         ref_logp = exact.token_logprobs(ref, batch).float()
     old, mask = old.float(), batch.mask.float()
-    adv = step_advantages(batch.rewards.float(), G, args.scale, args.estimator)
+    adv = group_advantages(batch.rewards.float(), G, args.scale, args.estimator)
     tb = TrainingBatch(batch.inputs, batch.targets, mask, old, mask.sum(-1).long())
     opt = RecordingOptimizer(model)
     update_policy(model, opt, tb, old_logp=old, advantages=adv, ref_logp=ref_logp, step=0, **update_settings(args))

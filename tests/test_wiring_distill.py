@@ -3,7 +3,7 @@ tiny student and teacher, the command line parsed by the stage's parser) with on
 command; spies record what the loop handed the update, and the test recomputes it from the definitions: both
 models' log-probs of the sampled tokens at --temperature, the per-token reverse-KL reward discounted over the
 rest of the answer (--discount), the sampler correction, the clip bounds; --mode kd samples from the teacher
-and trains on its tokens; --mode gkd's loss is TRL's generalized JSD over both models' whole logits at --beta
+and trains on its tokens; --mode gkd's loss is TRL's generalized JSD over both models' whole logits at --gkd-beta
 and --temperature."""
 import os
 
@@ -59,7 +59,7 @@ def discounted(rewards, discount):
     ["--tis-cap", "0.5"], ["--correction", "sequence-tis"], ["--samples-per-prompt", "3"], ["--ppo-epochs", "2"],
     ["--minibatches", "2"], ["--micro-batch-tokens", "100"], ["--grad-clip", "0.5"], ["--max-new-tokens", "6"],
     ["--tools"], ["--max-tool-turns", "2"], ["--prompts-per-step", "3"], ["--mode", "kd"],
-    ["--mode", "kd", "--temperature", "0.7"], ["--mode", "gkd"], ["--mode", "gkd", "--beta", "0.2"],
+    ["--mode", "kd", "--temperature", "0.7"], ["--mode", "gkd"], ["--mode", "gkd", "--gkd-beta", "0.2"],
     ["--mode", "gkd", "--temperature", "0.7"], ["--mode", "gkd", "--micro-batch-tokens", "30"],
 ], ids=lambda f: "_".join(x.lstrip("-") for x in f) or "defaults")
 def test_each_flag_reaches_the_update(monkeypatch, tmp_path, pair, flags):
@@ -90,9 +90,9 @@ def test_each_flag_reaches_the_update(monkeypatch, tmp_path, pair, flags):
         # is the one at --init: one minibatch, one epoch, so every pass runs before the only optimizer step)
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.gkd import GKDTrainer
-        expected = GKDTrainer.generalized_jsd_loss(student(x), teacher(x), labels=y, beta=args.beta,
+        expected = GKDTrainer.generalized_jsd_loss(student(x), teacher(x), labels=y, beta=args.gkd_beta,
                                                    temperature=args.temperature)
-        assert all(c.kwargs["beta"] == args.beta and c.kwargs["temperature"] == args.temperature
+        assert all(c.kwargs["beta"] == args.gkd_beta and c.kwargs["temperature"] == args.temperature
                    for c in rec["gkd_loss"])
         assert (len(rec["gkd_loss"]) > 1) == (args.micro_batch_tokens < 100)  # split into passes: the same sum
         assert abs(sum(float(c.out) for c in rec["gkd_loss"]) - float(expected)) < 1e-5

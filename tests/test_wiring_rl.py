@@ -3,8 +3,10 @@ test_update_applies_the_gradient_of_the_flags_objective). Each case is a real ru
 one step, a tiny model, the command line parsed by the stage's parser) with one flag changed from the base
 command; spies record what the loop handed the update, and the test recomputes it from the definitions: the
 rewards with DAPO's overlong shaping, the group advantages (GRPO's mean or RLOO's leave-one-out baseline, over
-the group's std, the batch's, or none), the loss mask (--mask-truncated), the snapshot's and the reference's
-log-probs of the distribution sampled from, and the sampler correction."""
+the group's std, the batch's, or none; REINFORCE++'s per-token returns with the KL in the reward, or the
+group-centred reward, whitened over the batch's tokens), the loss mask (--mask-truncated), the snapshot's and the
+reference's log-probs of the distribution sampled from, and the sampler correction (times the 80/20 paper's
+high-entropy token mask under --top-entropy)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from checkpoint import save_hf
 from inprocess import (LengthGrader, correction_weights, loaded, logp_of, perturbed_reference, run_stage, spy,
                        truncated_logp)
 from model import GPT, GPTConfig
-from rollout import training_batch
+from rollout import kl_penalty, training_batch
 from test_rl import RecordingOptimizer, synthetic_batch, tiny_policy
 
 BASE = ["--num-prompts", "8", "--steps", "1", "--prompts-per-step", "2", "--group-size", "3", "--max-new-tokens", "8",
@@ -64,6 +66,28 @@ def reference_advantages(rewards, G, estimator, scale):
     return adv
 
 
+def reference_reinforce_pp(rewards, mask, G, baseline, kl):
+    """Per token: the answer's reward (minus its group's mean with the baseline) minus the KL of this and every
+    later answer token (kl: (B, T) already weighted by beta, or zeros), then to mean 0, population std 1 over every
+    answer token of the batch (verl's compute_reinforce_plus_plus(_baseline)_outcome_advantage, written out)."""
+    values = torch.zeros_like(mask, dtype=torch.float64)
+    for b in range(mask.size(0)):
+        group = [float(r) for r in rewards[b // G * G:(b // G + 1) * G]]
+        score = float(rewards[b]) - (sum(group) / G if baseline else 0.0)
+        answer = [t for t in range(mask.size(1)) if mask[b, t] > 0]
+        for t in answer:
+            values[b, t] = score - sum(float(kl[b, s]) for s in answer if s >= t)
+    tokens = values[mask > 0]
+    mean, var = tokens.mean(), ((tokens - tokens.mean()) ** 2).mean()
+    return ((values - mean) / (var + 1e-8) ** 0.5 * mask).float()
+
+
+def entropy_of(model, x, mask, temperature):
+    """The entropy of the next-token distribution at `temperature` at each position (B, T), 0 outside the mask."""
+    logp = F.log_softmax(model(x).float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1) * mask
+
+
 def overlong(length, max_len, buffer, penalty):
     """DAPO's soft overlong punishment: 0 up to max_len - buffer tokens, then down linearly to -penalty at max_len."""
     if buffer <= 0 or length <= max_len - buffer:
@@ -78,6 +102,10 @@ def overlong(length, max_len, buffer, penalty):
     ["--correction", "none"], ["--temperature", "0.7"], ["--top-k", "5"], ["--top-p", "0.5"], ["--kl-beta", "0.1"],
     ["--kl-beta", "0.1", "--temperature", "0.7"], ["--kl-beta", "0.1", "--top-k", "5"], ["--no-dynamic-sampling"], ["--max-resample", "0"],
     ["--max-new-tokens", "6"], ["--tools"], ["--max-tool-turns", "2"], ["--prompts-per-step", "3"],
+    ["--estimator", "reinforce++"], ["--estimator", "reinforce++", "--kl-beta", "0.1", "--kl-kind", "k1"],
+    ["--estimator", "reinforce++", "--kl-beta", "0.1", "--kl-kind", "k3"], ["--estimator", "reinforce++-baseline"],
+    ["--estimator", "reinforce++-baseline", "--no-dynamic-sampling"], ["--top-entropy", "0.3"],
+    ["--top-entropy", "0.5", "--temperature", "0.7"],
 ], ids=lambda f: "_".join(x.lstrip("-") for x in f) or "defaults")
 def test_each_flag_reaches_the_update(monkeypatch, tmp_path, chat, flags):
     args, rec, steps = rl_case(monkeypatch, tmp_path, chat, *flags)
@@ -103,8 +131,9 @@ def test_each_flag_reaches_the_update(monkeypatch, tmp_path, chat, flags):
 
     call = rec["update_policy"][0]
     batch, kw = call.args[2], call.kwargs
-    torch.testing.assert_close(kw["advantages"], reference_advantages(rewards, G, args.estimator, args.scale),
-                               atol=1e-5, rtol=1e-5)
+    if not args.estimator.startswith("reinforce++"):
+        torch.testing.assert_close(kw["advantages"], reference_advantages(rewards, G, args.estimator, args.scale),
+                                   atol=1e-5, rtol=1e-5)
     # the loss mask: the answer's sampled tokens, none of an answer cut at the limit under --mask-truncated, none
     # of a group whose rewards are all equal under dynamic sampling (kept by its last round: DAPO trains none)
     flat = [bool(rewards[b // G * G:(b // G + 1) * G].unique().numel() == 1) for b in range(len(rewards))]
@@ -122,12 +151,22 @@ def test_each_flag_reaches_the_update(monkeypatch, tmp_path, chat, flags):
     old = truncated_logp(model, x, y, **settings) if args.top_k or args.top_p else logp_of(model, x, y, args.temperature)
     torch.testing.assert_close(kw["old_logp"], old * m, atol=2e-5, rtol=1e-4)
     assert steps[0]["logprob_mismatch"] < 1e-4  # and the engine sampled from that distribution
-    if args.kl_beta:  # the reference's, of its whole distribution at the temperature (no infinite KL under --top-k)
-        torch.testing.assert_close(kw["ref_logp"], logp_of(rec["reference_model"][0].out, x, y, args.temperature) * m,
-                                   atol=2e-5, rtol=1e-4)
-    else:
-        assert kw["ref_logp"] is None and not rec["reference_model"]
+    ref = logp_of(rec["reference_model"][0].out, x, y, args.temperature) * m if args.kl_beta else None
+    if args.kl_beta and args.estimator != "reinforce++":  # the reference's, of its whole distribution at the
+        torch.testing.assert_close(kw["ref_logp"], ref, atol=2e-5, rtol=1e-4)  # temperature (no infinite KL: top-k)
+    else:  # REINFORCE++ puts the KL in the reward, not the loss
+        assert kw["ref_logp"] is None and bool(rec["reference_model"]) == bool(args.kl_beta)
+    if args.estimator.startswith("reinforce++"):
+        kl = args.kl_beta * kl_penalty(old * m, ref, args.kl_kind) * m if args.kl_beta else torch.zeros_like(m)
+        expected = reference_reinforce_pp(rewards, m, G, args.estimator == "reinforce++-baseline", kl)
+        torch.testing.assert_close(kw["advantages"], expected, atol=1e-4, rtol=1e-4)
+        assert kw["advantages"].dim() == 2 and bool((kw["advantages"][m > 0] != 0).any())
     weights = correction_weights(kw["old_logp"], batch.engine_logp, m, args.correction, args.tis_cap, args.mask_eps)
+    if args.top_entropy < 1:  # only the tokens whose entropy reaches the batch's (1 - top) quantile train
+        entropy = entropy_of(model, x, m, args.temperature)
+        kept = (entropy >= torch.quantile(entropy[m > 0], 1 - args.top_entropy)) & (m > 0)
+        assert 0 < int(kept.sum()) < int(m.sum())
+        weights = weights * kept
     torch.testing.assert_close(kw["weights"], weights)
 
 
