@@ -31,7 +31,7 @@ from checkpoint import (load_config, load_model, load_tokenizer, resolve_model_p
 from common import (Default, UserError, all_reduce_sum, autocast, check_finite, fit_warmup, learning_rate, lr_at,
                     make_optimizer, nanopost_home, no_sync, optimizer_step, peak_memory_mb, print0, progress, run_main,
                     set_lr, unwrap, wrap_model)
-from data import load_sft, split_heldout
+from data import load_sft, mixture_rows
 from decontaminate import overlap_warning
 from evaluation import MIN_HELDOUT, heldout_scores, scores_line
 from lora import add_lora_flags, lora_options
@@ -42,7 +42,8 @@ from tokenizer import settle_chat_template
 
 parser = argparse.ArgumentParser(description="supervised fine-tuning on the assistant's tokens")
 parser.add_argument("--init", default=None, help="model folder or run dir to start from (default: the tiny base)")
-parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows (default: the embedded world)")
+parser.add_argument("--data", default=None, help="JSONL of {'messages': [...]} rows, or a mixture of files, "
+                    "a.jsonl:0.7,b.jsonl:0.3 (default: the embedded world)")
 parser.add_argument("--eval-data", default=None, help="held-out JSONL rows for the validation loss (default: the last "
                     "2%% of --data)")
 parser.add_argument("--num-train", type=int, default=6000, help="embedded-world training conversations")
@@ -134,11 +135,11 @@ def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
 def main():
     args = parser.parse_args()
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
-    train_rows = load_sft(args.data) if args.data else sft_conversations("train", args.num_train, seed=args.seed)
     held_out = load_sft(args.eval_data, "--eval-data") if args.eval_data else None
-    if args.data:  # a user file: --eval-data, or its last 2% held out
-        train_rows, val_rows = split_heldout(train_rows, held_out)
+    if args.data:  # a user file, or a mixture of files: --eval-data, or each file's last 2% held out
+        train_rows, val_rows = mixture_rows(args.data, load_sft, held_out, seed=args.seed)
     else:
+        train_rows = sft_conversations("train", args.num_train, seed=args.seed)
         val_rows = held_out or sft_conversations("val", args.num_val, seed=args.seed)
     dist, out_dir = start_run(args, "sft", "chat_sft")
     device = dist.device
@@ -154,7 +155,11 @@ def main():
     if not train_ex:
         raise UserError(f"no training conversation fits in --seq-len {args.seq_len}: {counts}")
     rows = build_rows(train_ex, args.seq_len, args.packing)
-    val_batches = build_rows(val_ex, args.seq_len, args.packing)
+    val_sets = {"val_loss": (val_ex, build_rows(val_ex, args.seq_len, args.packing))}
+    for source in sorted({r["source"] for r in val_rows if "source" in r}):  # rows that name their source
+        ex, _ = render_examples(tok, [r for r in val_rows if r.get("source") == source], args.seq_len, args.overlong)
+        if ex:  # the held-out loss of each source too: what a mixture keeps, and what it forgets
+            val_sets[f"val_loss/{source}"] = (ex, build_rows(ex, args.seq_len, args.packing))
     n_tokens = sum(len(x) for x, _ in train_ex)
     n_trained = sum(sum(t != IGNORE for t in y) for _, y in train_ex)
     print0(f"data: {counts} conversations over {len(rows)} rows ({args.packing}); {n_tokens:,} tokens, "
@@ -190,6 +195,10 @@ def main():
            f"({steps_per_epoch} per epoch), {accum} micro-batches per step per rank")
     fwd = torch.compile(model) if args.compile else model
 
+    def val_losses():
+        return {name: heldout_loss(model, ex, batches, tok.pad_id, args.seq_len, args.packing, device)
+                for name, (ex, batches) in val_sets.items()}
+
     log = open_run(args, out_dir, "sft")  # every input checked: now --overwrite replaces the old run
     bar = progress(range(start_step, total_steps), initial=start_step, total=total_steps, desc="sft")
     for step in bar:
@@ -216,8 +225,7 @@ def main():
         metrics = {"loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(grad_norm, 4),
                    "trained_tokens": int(n_global), "peak_mem_mb": round(peak_memory_mb(device))}
         if (step + 1) % args.eval_every == 0 or step + 1 == total_steps:
-            metrics["val_loss"] = round(heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len,
-                                                        args.packing, device), 6)
+            metrics.update({name: round(loss, 6) for name, loss in val_losses().items()})
             if dist.is_main:
                 bar.write(f"step {step + 1}: loss {loss_sum:.4f}  val {metrics['val_loss']:.4f}")
         if args.sample_every and (step + 1) % args.sample_every == 0 and eval_rows:
@@ -232,7 +240,7 @@ def main():
     # held-out: the validation loss, and (on the embedded world) answers graded, every rank its share
     scores = heldout_scores(model, tok, eval_rows, max_new_tokens=args.max_new_tokens, samples=args.pass_k,
                             use_tools=args.tools) if eval_rows else {}
-    scores["val_loss"] = heldout_loss(model, val_ex, val_batches, tok.pad_id, args.seq_len, args.packing, device)
+    scores.update(val_losses())
     print0("held-out: " + scores_line(scores, len(eval_rows)))
     log.log(total_steps, **{f"final/{k}": v for k, v in scores.items()})
     write_eval(out_dir, scores)

@@ -184,8 +184,11 @@ def all_reduce_sum(x):
 
 def all_reduce_dict(values: dict, keys=None) -> dict:
     """Sum named numbers across ranks in one collective. keys: the names, in the same order on every rank
-    (default: sorted names; a name a rank does not have counts 0 there)."""
-    keys = list(keys) if keys is not None else sorted(values)
+    (default: every rank's names, gathered and sorted: a name a rank does not have counts 0 there, e.g. the
+    sources of a mixture that one rank's batch happens not to hold)."""
+    if keys is None:
+        keys = sorted({key for names in all_gather_objects(sorted(values)) for key in names})
+    keys = list(keys)
     t = torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64, device=_DIST.device)
     return dict(zip(keys, all_reduce_sum(t).tolist()))
 

@@ -9,12 +9,17 @@ dicts the embedded world's generators produce (tasks.py), so a stage never knows
     RL            {"prompt", "ground_truth", "verifier"}, or verl's rows (data_source      load_rl
                   naming the verifier, reward_model.ground_truth)
 
+SFT and RL rows may name their `source` (verl's data_source is one), and --data may mix several files in
+proportion, "a.jsonl:0.7,b.jsonl:0.3" (mixture_rows): each row of a mixture is of its file's source, and the
+stages' metrics are broken down by source (val_loss/<source>, source/<source>/accuracy).
+
 A malformed line is a UserError naming the file and the line ("rl.jsonl:17: missing key 'ground_truth'");
 nothing is skipped silently. An RL row's ground truth is checked against its verifier up front.
 """
 import json
 import math
 import os
+import random
 from typing import Callable
 
 from common import UserError, print0
@@ -133,7 +138,12 @@ def sft_row(row: dict) -> dict:
     out = {"messages": _messages(row["messages"], "messages", "user")}
     if not any(m["role"] == "assistant" for m in out["messages"]):
         raise ValueError("no assistant message, so nothing to train on")
-    return {**out, **_tools(row)}
+    return {**out, **_tools(row), **_source(row.get("source"))}
+
+
+def _source(source: object) -> dict:
+    """A row's source, kept when it names one (a string), for the metrics broken down by source."""
+    return {"source": source} if isinstance(source, str) and source else {}
 
 
 def preference_row(row: dict) -> dict:
@@ -235,7 +245,8 @@ def rl_row(row: dict) -> dict:
     if not isinstance(truth, str):
         raise ValueError(f"ground_truth must be a string or a number, got {type(truth).__name__}")
     check_ground_truth(verifier, truth)  # ValueError if it cannot be graded against; runs nothing
-    return {"prompt": prompt, "ground_truth": truth, "verifier": verifier}
+    return {"prompt": prompt, "ground_truth": truth, "verifier": verifier,
+            **_source(row.get("source", row.get("data_source")))}
 
 
 def load_sft(path: str, flag: str = "--data") -> list[dict]:
@@ -267,14 +278,63 @@ def split_heldout(rows: list, held_out: list | None = None) -> tuple[list, list]
     return rows[:-n], rows[-n:]
 
 
+def parse_mixture(spec: str, flag: str = "--data") -> list[tuple[str, float]]:
+    """--data's files and their weights: "a.jsonl:0.7,b.jsonl:0.3" -> [("a.jsonl", 0.7), ("b.jsonl", 0.3)]; a
+    file without ":weight" weighs 1 (so "a.jsonl" alone is [("a.jsonl", 1.0)])."""
+    parts = []
+    for item in spec.split(","):
+        path, colon, weight = item.strip().rpartition(":")
+        if not colon:
+            path, weight = weight, "1"
+        try:
+            w = float(weight)
+        except ValueError:
+            raise UserError(f"{flag} {spec}: in {item.strip()!r}, the weight after ':' must be a number "
+                            "(a mixture is FILE:WEIGHT,FILE:WEIGHT)") from None
+        if not (math.isfinite(w) and w > 0):
+            raise UserError(f"{flag} {spec}: the weight of {path} must be > 0")
+        parts.append((path, w))
+    return parts
+
+
+def mixture_rows(spec: str, load: Callable[[str, str], list], held_out: list | None = None, *, seed: int = 0,
+                 flag: str = "--data") -> tuple[list, list]:
+    """(training rows, held-out rows) of --data: one file, or several mixed in proportion, "a.jsonl:0.7,
+    b.jsonl:0.3" (open-instruct's dataset_mixer; the seeds' defence against forgetting: keep some of the old
+    data in). Held out: --eval-data's rows (held_out) when given, else each file's last 2%. A mixture keeps
+    the weights with the most rows that repeats none: the file with the fewest training rows for its weight
+    is used whole, and each other gives a seeded random sample of its rows. Each row of a mixture is of its
+    file's source (its name without .jsonl), unless it names a source of its own.
+    Example: new.jsonl (1,000 rows) : 0.7 and old.jsonl (5,000) : 0.3 -> new's first 980 (its last 20 held
+    out) and 420 of old's first 4,900 (its last 100 held out): 1,400 rows, 70% new."""
+    parts = parse_mixture(spec, flag)
+    if len(parts) == 1:
+        return split_heldout(load(parts[0][0], flag), held_out)
+    names = [os.path.splitext(os.path.basename(path))[0] for path, _ in parts]
+    if len(set(names)) < len(names):
+        raise UserError(f"{flag} {spec}: two files of the mixture share a name ({names}): each names a source")
+    train, val = [], []
+    for (path, _), name in zip(parts, names):
+        file_train, file_val = split_heldout([{"source": name, **row} for row in load(path, flag)])
+        train.append(file_train)
+        val += file_val
+    total = sum(w for _, w in parts)
+    size = min(len(rows) * total / w for rows, (_, w) in zip(train, parts))  # the mixture's rows
+    rng = random.Random(seed)
+    mixed = [row for rows, (_, w) in zip(train, parts)
+             for row in rng.sample(rows, min(len(rows), round(size * w / total)))]
+    return mixed, held_out if held_out is not None else val
+
+
 def rl_rows(data, eval_data, *, eval_problems, num_prompts, seed) -> tuple[list, list]:
     """The prompts of a sampling stage (RL, PPO, distillation) and its held-out problems (at most
-    eval_problems): --data's rows, else the embedded world's training problems; --eval-data's rows, else
-    --data's last 2%, else the embedded world's test problems. (--eval-data without --data once fell to the
-    world's test problems, drawn by --seed: runs of two seeds were evaluated on different problems.)"""
+    eval_problems): --data's rows (one file, or a mixture: mixture_rows), else the embedded world's training
+    problems; --eval-data's rows, else --data's last 2% (of each file), else the embedded world's test problems.
+    (--eval-data without --data once fell to the world's test problems, drawn by --seed: runs of two seeds were
+    evaluated on different problems.)"""
     held_out = load_rl(eval_data, "--eval-data") if eval_data else None
     if data:
-        rows, eval_rows = split_heldout(load_rl(data), held_out)
+        rows, eval_rows = mixture_rows(data, load_rl, held_out, seed=seed)
     else:
         rows = rl_prompts("train", num_prompts, seed=seed)
         eval_rows = held_out or rl_prompts("test", eval_problems, seed=seed)

@@ -30,7 +30,8 @@ from packing import IGNORE, micro_batches
 def add_sampling_flags(parser):
     """The flags every stage that samples its policy shares (chat_rl.py, chat_ppo.py, chat_distill.py): data,
     steps, sampling, the calculator, the sampler correction, held-out evaluation."""
-    parser.add_argument("--data", default=None, help="RL JSONL (default: the embedded world's problems)")
+    parser.add_argument("--data", default=None, help="RL JSONL, or a mixture of files, a.jsonl:0.7,b.jsonl:0.3 "
+                        "(default: the embedded world's problems)")
     parser.add_argument("--eval-data", default=None, help="held-out RL JSONL (default with --data: its last 2%%)")
     parser.add_argument("--num-prompts", type=int, default=4000, help="embedded-world training prompts")
     parser.add_argument("--steps", type=int, default=60, help="rollout batches (each followed by optimizer steps)")
@@ -127,7 +128,17 @@ class Rollouts:
                 "correct_with_tool": float(sum(bool(ok) and c.tool_calls > 0
                                                for ok, c in zip(correct, self.completions))),
                 **{f"reward/{k}": float(v.sum()) for k, v in self.reward_parts.items()},
-                **{f"count/{k}": float(v) for k, v in self.counts.items()}}
+                **{f"count/{k}": float(v) for k, v in self.counts.items()}, **self.source_stats(correct)}
+
+    def source_stats(self, correct) -> dict:
+        """Answers, right answers and reward summed by the source of their rows (data.mixture_rows), for the rows
+        that name one: source/<name>/answers, .../correct, .../reward_sum."""
+        sums = collections.defaultdict(float)
+        for row, ok, reward in zip(self.rows, correct.tolist(), self.rewards.tolist()):
+            if "source" in row:
+                for key, value in (("answers", 1.0), ("correct", float(ok)), ("reward_sum", reward)):
+                    sums[f"source/{row['source']}/{key}"] += value
+        return dict(sums)
 
 
 def rollout_metrics(sums: dict) -> dict:
@@ -142,6 +153,12 @@ def rollout_metrics(sums: dict) -> dict:
     wrong = n - sums["correct"]
     by_outcome = {**({"length_correct": sums["length_sum_correct"] / sums["correct"]} if sums["correct"] else {}),
                   **({"length_wrong": (sums["length_sum"] - sums["length_sum_correct"]) / wrong} if wrong else {})}
+    by_source = {}  # source/<name>/accuracy and .../reward, of the rows that name a source (data.mixture_rows)
+    for key in sums:
+        if key.startswith("source/") and key.endswith("/answers") and sums[key]:
+            prefix = key[:-len("answers")]
+            by_source[prefix + "accuracy"] = sums[prefix + "correct"] / sums[key]
+            by_source[prefix + "reward"] = sums[prefix + "reward_sum"] / sums[key]
     return {"reward": sums["reward_sum"] / n, "accuracy": sums["correct"] / n, **by_outcome,
             **{k: v / n for k, v in sums.items() if k.startswith("reward/")},
             **{k: v for k, v in sums.items() if k.startswith("count/")},
@@ -151,7 +168,8 @@ def rollout_metrics(sums: dict) -> dict:
             "tool_turns": sums["tool_calls"] / n,       # tool-calling turns per answer
             "tool_errors": sums["tool_errors"] / n,     # tool results that were errors, per answer
             "accuracy_with_tool": sums["correct_with_tool"] / max(1.0, with_tool),
-            "accuracy_without_tool": (sums["correct"] - sums["correct_with_tool"]) / max(1.0, n - with_tool)}
+            "accuracy_without_tool": (sums["correct"] - sums["correct_with_tool"]) / max(1.0, n - with_tool),
+            **by_source}
 
 def sample(engine, rows, grader, *, samples_per_prompt, max_new_tokens, temperature=1.0, top_k=None,
            top_p=None, seed=0, tool_schemas=None, max_tool_turns=4) -> Rollouts:

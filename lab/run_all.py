@@ -36,6 +36,7 @@ EXPERIMENTS = {
     "staleness": ("model", []),
     "rejection_vs_rl": ("model", []),
     "lenient_verifier": ("model", []),
+    "forgetting": ("model", []),
 }
 DOCS = os.path.join(REPO, "docs", "lab")
 

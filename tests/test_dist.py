@@ -1,7 +1,8 @@
 """Collectives that scale: --dist-timeout bounds how long a rank waits in a collective, a rank with fewer
 batches joins the others' passes (rank_passes), a NaN loss on one rank stops every rank naming it, and held-out
 evaluation split across 2 gloo ranks (each its share, the sums all-reduced) equals one process, and so do the RL
-statistics taken over a whole batch (the 80/20 token mask, REINFORCE++'s whitening, --scale batch)."""
+statistics taken over a whole batch (the 80/20 token mask, REINFORCE++'s whitening, --scale batch), and sums
+of names that only some ranks hold (a mixture's sources)."""
 import json
 import os
 import socket
@@ -183,6 +184,9 @@ def _batch_statistics(rank, port, out):
            "batch_scale": group_advantages(rewards[rows], 2, "batch", "grpo")}
     if rank is None:
         return got
+    # names only some ranks have (the sources of a mixture one rank's batch does not hold) count 0 on the others
+    got["union"] = common.all_reduce_dict({"source/a/answers": 1.0} if rank == 0 else
+                                          {"source/b/answers": 2.0, "source/a/answers": 0.5})
     torch.save(got, f"{out}.{rank}.pt")
     cleanup_dist()
 
@@ -201,4 +205,5 @@ def test_rl_batch_statistics_on_two_ranks_equal_one_process(tmp_path):
     ranks = [torch.load(tmp_path / f"out.{r}.pt") for r in range(2)]
     for key, value in single.items():
         torch.testing.assert_close(torch.cat([r[key] for r in ranks]), value, atol=1e-6, rtol=1e-6)
+    assert all(r["union"] == {"source/a/answers": 1.5, "source/b/answers": 2.0} for r in ranks)
     assert 0 < float(single["mask"].sum()) < float((single["mask"] >= 0).sum())

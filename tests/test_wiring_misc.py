@@ -67,7 +67,7 @@ def test_memory_nproc_gives_each_ranks_share(tmp_path, tok):
 
 
 DATA_RUNS = {  # stage: its module, where its rows are split (a spy there), its rows, the flags of a one-step run
-    "sft": ("chat_sft", "split_heldout", lambda n: sft_conversations("train", n, seed=5),
+    "sft": ("chat_sft", "mixture_rows", lambda n: sft_conversations("train", n, seed=5),
             ["--eval-problems", "0", "--batch-size", "4", "--device-batch-size", "4"]),
     "rm": ("chat_rm", "split_heldout", lambda n: preference_pairs("train", n, seed=5), ["--batch-size", "4"]),
     "dpo": ("chat_dpo", "split_heldout", lambda n: preference_pairs("train", n, seed=5),
