@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from checkpoint import load_config, load_hf, load_tokenizer, resolve_model_path
-from common import UserError, autocast, compute_dtype
+from common import UserError, autocast, compute_dtype, print0
 from engine import Engine
 from peak_memory import Shape
 from packing import pack_sequences
+from standin_judge import StandInJudge
 from verifiers import answer_text, has_format, verify_batch
 
 
@@ -147,6 +148,8 @@ def judge_replies(judge_model, judge_tokenizer, conversations: list, *, max_new_
     """The judge's greedy reply to each conversation, in ONE batched engine call, and how many were too long to
     ask (prompt + max_new_tokens over its context: not sent). A reply is None where it was not sent or was cut at
     max_new_tokens (a cut "VERDICT: 10" would read as "VERDICT: 1")."""
+    if isinstance(judge_model, StandInJudge):  # a program: it reads the text, no tokens, no context to exceed
+        return [judge_model.reply(c) for c in conversations], 0
     rendered = [judge_tokenizer.render_for_completion(c, enable_thinking=enable_thinking) for c in conversations]
     fits = [i for i, ids in enumerate(rendered) if len(ids) + max_new_tokens <= judge_model.config.max_seq_len]
     replies = [None] * len(rendered)
@@ -206,7 +209,15 @@ def judge_pairs(judge_model, judge_tokenizer, prompts: list, first: list[str], s
 
 def load_judge(path: str, device="cpu"):
     """The judge model (a chat model folder, e.g. a Qwen3 instruct download, or a run directory's latest
-    checkpoint) and its tokenizer. Frozen: eval mode, no gradients, in common.compute_dtype(device)."""
+    checkpoint) and its tokenizer. Frozen: eval mode, no gradients, in common.compute_dtype(device).
+    "standin:NAME" is a program standing in for a model (standin_judge.py), and no tokenizer."""
+    if path.startswith("standin:"):
+        try:
+            judge = StandInJudge(path[len("standin:"):])
+        except ValueError as e:
+            raise UserError(f"judge:{path}: {e}") from None
+        print0(f"judge:{path} is a program standing in for a judge model ({judge.rubric_path}), not a model")
+        return judge, None
     path = resolve_model_path(path, flag="judge:", head="lm")
     model = load_hf(path, device=device, dtype=compute_dtype(device))
     return model.eval().requires_grad_(False), load_tokenizer(path, flag="judge:")
@@ -242,7 +253,7 @@ def grader_shapes(reward_spec: str) -> list[Shape]:
     """The shapes of the models among --reward's graders (rm:PATH, judge:PATH), frozen on every rank: what
     peak_memory.estimate counts for them."""
     return [Shape.of(load_config(resolve_model_path(name.split(":", 1)[1], flag=name.split(":", 1)[0] + ":")))
-            for _, name in parse_reward(reward_spec) if ":" in name]
+            for _, name in parse_reward(reward_spec) if ":" in name and not name.startswith("judge:standin:")]
 
 
 def length_reward(lengths: list, correct: list, groups: list) -> list[float]:
@@ -286,6 +297,9 @@ class Grader:
         if self.judges and rubric is None:
             raise UserError(f"--reward {spec!r} has a judge: pass --rubric FILE (e.g. rubrics/flattery.txt)")
         self.rubric = load_rubric(rubric) if self.judges else None
+        for name, (judge, _) in self.judges.items():
+            if isinstance(judge, StandInJudge) and self.rubric.text != judge.rubric_text:
+                raise UserError(f"--reward {name} grades by {judge.rubric_path} only: pass it as --rubric")
 
     def __call__(self, rows, prompts, completions) -> Grades:
         """rows[i], prompts[i] (token ids) and completions[i] (engine.Completion) describe answer i."""

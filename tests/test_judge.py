@@ -290,3 +290,58 @@ def test_chat_sample_pairs_judge_keeps_the_pairs_the_judge_agrees_on(tok, tmp_pa
     assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
         ("#### 1", "It is one.\n#### 1"), ("#### 7", "A long way round.\n#### 7")]
     assert [p["prompt"] for p in pairs] == [rows[0]["prompt"], rows[1]["prompt"]]
+
+
+# ------------------------------------------------------------------------------------------------
+# The stand-in judge: a program that grades by rubrics/arithmetic.txt, asked as a model is
+
+ARITHMETIC = os.path.join(REPO, "rubrics", "arithmetic.txt")
+
+
+def test_the_stand_in_judges_rubric_by_hand():
+    from standin_judge import arithmetic_score
+    right = "Mia has 12 + 17 = 29 apples.\nMia has 29 - 4 = 25 apples.\n#### 25"
+    assert arithmetic_score(right)[0] == 10
+    assert arithmetic_score(right.replace("= 25 apples", "= 26 apples").replace("#### 25", "#### 26"))[0] == 7
+    assert arithmetic_score(right.replace("= 25 apples", "= 26 apples"))[0] == 3  # and the line does not follow
+    assert arithmetic_score(right.replace("#### 25", "25"))[0] == 0                 # no answer line
+    assert arithmetic_score("I think it is 25.\n#### 25")[0] == 3                   # no work shown
+    wrong = "12 + 1 = 1\n1 * 3 = 9\n9 - 1 = 1\n#### 7"
+    assert arithmetic_score(wrong)[0] == 0  # three wrong steps and a loose answer line: never below 0
+    # no answer key: a chain computed right from a misread 13 passes, where the verifier fails it
+    assert arithmetic_score("Mia has 13 + 17 = 30 apples.\nMia has 30 - 4 = 26 apples.\n#### 26")[0] == 10
+
+
+def test_the_stand_in_judge_through_the_grader_and_its_rubric(tok):
+    """--reward judge:standin:arithmetic --rubric rubrics/arithmetic.txt: each answer's score / 10 from the judge's
+    own conversation (rewards.judge_messages), the verdict line parsed as a model's; any other rubric is refused."""
+    from engine import Completion
+    from rewards import Grader
+    grader = Grader("judge:standin:arithmetic+verifier", tok, rubric=ARITHMETIC)
+    rows = [{"prompt": [{"role": "user", "content": "Mia has 12 apples. She buys 17 more. How many?"}],
+             "ground_truth": "29", "verifier": "gsm8k"}] * 3
+    answers = ["Mia has 12 + 17 = 29 apples.\n#### 29", "Mia has 12 + 17 = 28 apples.\n#### 28", "#### 29"]
+    prompts = [tok.render_for_completion(r["prompt"]) for r in rows]
+    comps = [Completion(i, tokens=tok.encode(a) + [tok.eos_id]) for i, a in enumerate(answers)]
+    g = grader(rows, prompts, comps)
+    assert g.parts["judge:standin:arithmetic"].tolist() == pytest.approx([1.0, 0.7, 0.3])
+    assert g.parts["verifier"].tolist() == [1.0, 0.0, 1.0] and g.counts["judge/unparseable"] == 0
+    with pytest.raises(UserError, match="arithmetic.txt"):
+        Grader("judge:standin:arithmetic", tok, rubric=os.path.join(REPO, "rubrics", "flattery.txt"))
+    with pytest.raises(UserError, match="no stand-in judge 'poetry'"):
+        Grader("judge:standin:poetry", tok, rubric=ARITHMETIC)
+    assert rewards.grader_shapes("verifier+judge:standin:arithmetic") == []  # no model to count in memory
+
+
+def test_the_stand_in_judges_position_bias_and_both_orders():
+    """On a tie the stand-in prefers the answer shown first, as LLM judges lean: asked once, the first of a tied
+    pair always wins; in both orders the tie is 0.5 and counted inconsistent, while a real difference stands."""
+    from standin_judge import StandInJudge
+    judge, rubric = StandInJudge("arithmetic"), load_rubric(ARITHMETIC)
+    prompts = ["Mia has 12 apples. She buys 17 more. How many?"] * 2
+    good, bad = "Mia has 12 + 17 = 29 apples.\n#### 29", "Mia has 12 + 17 = 28 apples.\n#### 28"
+    tie = "Mia has 12 + 17 = 29 apples.\nSo 29.\n#### 29"
+    once, _ = rewards.judge_pairs(judge, None, prompts, [bad, good], [good, tie], rubric, both_orders=False)
+    assert once == [0.0, 1.0]  # bad < good; good == tie: the first shown wins
+    both, counts = rewards.judge_pairs(judge, None, prompts, [bad, good], [good, tie], rubric)
+    assert both == [0.0, 0.5] and counts["inconsistent"] == 1

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (STAGE_LAYER): they import any library module, and one another's functions, never in a circle.
 LAYERS = {
     "model": 0, "common": 0, "tasks": 0, "sandbox": 0,    # import nothing of ours
-    "verifiers": 1,
+    "verifiers": 1, "standin_judge": 1,
     "lora": 1, "rundir": 1, "tokenizer": 1, "peak_memory": 1, "packing": 1, "exact": 1,
     "checkpoint": 2, "engine": 2,
     "rewards": 3, "rollout": 3,
