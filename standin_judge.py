@@ -23,18 +23,23 @@ from common import UserError
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 STEP = re.compile(r"(-?\d+) ([-+*/]) (-?\d+) = (-?\d+)")
+# a calculator call and the result it gave, before the next call (the turns as the judge reads an answer's text)
+CALL = re.compile(r'"expression": "(-?\d+) ([-+*/]) (-?\d+)"\}\}\s*</tool_call>(?:(?!<tool_call>).)*?'
+                  r"<tool_response>\s*(-?\d+)\s*</tool_response>", re.S)
 ANSWER_LINE = re.compile(r"(?m)^#### (-?\d+)\s*$")
 
 
 def arithmetic_score(answer: str) -> tuple[int, str]:
-    """rubrics/arithmetic.txt as a program: 0 to 10, and why. No "#### N" line: 0. No step shown: 3. Else 10, less 3
-    for each step whose arithmetic is wrong and 4 when N is not the last step's result, at least 0.
+    """rubrics/arithmetic.txt as a program: 0 to 10, and why. A step is a sentence's "a op b = c", or a calculator
+    call "a op b" and the result it gave. No "#### N" line: 0. No step shown: 3. Else 10, less 3 for each step whose
+    arithmetic is wrong and 4 when N is not the last step's result, at least 0.
     Example: "Mia has 12 + 17 = 29 apples.\\nMia has 29 - 4 = 26 apples.\\n#### 26" -> 7 (the second step is
     wrong, 29 - 4 is 25; the answer line follows from it); with "#### 25" it would be 3."""
     finals = ANSWER_LINE.findall(answer)
     if not finals:
         return 0, "There is no '#### N' answer line."
-    steps = STEP.findall(answer)
+    found = [(m.start(), m.groups()) for pattern in (STEP, CALL) for m in pattern.finditer(answer)]
+    steps = [groups for _, groups in sorted(found)]
     if not steps:
         return 3, "The answer line is there, but no step shows its work."
     ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,

@@ -308,6 +308,12 @@ def test_the_stand_in_judges_rubric_by_hand():
     assert arithmetic_score("I think it is 25.\n#### 25")[0] == 3                   # no work shown
     wrong = "12 + 1 = 1\n1 * 3 = 9\n9 - 1 = 1\n#### 7"
     assert arithmetic_score(wrong)[0] == 0  # three wrong steps and a loose answer line: never below 0
+    # calculator calls are steps too, each with the result the tool gave (the judge reads the answer's turns)
+    calls = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "8 * 10"}}\n</tool_call>\n'
+             "<|im_start|>user\n<tool_response>\n80\n</tool_response>\n<|im_start|>assistant\n"
+             '<tool_call>\n{"name": "calculator", "arguments": {"expression": "80 * 3"}}\n</tool_call>\n'
+             "<|im_start|>user\n<tool_response>\n240\n</tool_response>\n<|im_start|>assistant\n#### 240")
+    assert arithmetic_score(calls)[0] == 10 and arithmetic_score(calls.replace("#### 240", "#### 24"))[0] == 6
     # no answer key: a chain computed right from a misread 13 passes, where the verifier fails it
     assert arithmetic_score("Mia has 13 + 17 = 30 apples.\nMia has 30 - 4 = 26 apples.\n#### 26")[0] == 10
 
