@@ -37,6 +37,7 @@ EXPERIMENTS = {
     "rejection_vs_rl": ("model", []),
     "lenient_verifier": ("model", []),
     "forgetting": ("model", []),
+    "grid": ("model", []),
 }
 DOCS = os.path.join(REPO, "docs", "lab")
 
