@@ -14,6 +14,7 @@ good or bad, is chat_kto.py.
 
     python chat_dpo.py                                             # 1 CPU, the embedded world's pairs
     python chat_dpo.py --pairs on-policy                           # pairs sampled from the policy itself
+    python chat_dpo.py --pairs judge --judge standin:arithmetic --rubric rubrics/arithmetic.txt  # pairs a judge chose
     python chat_dpo.py --data prefs.jsonl --init /models/my-sft --device cuda     # 1 GPU
     torchrun --standalone --nproc_per_node=8 chat_dpo.py --data prefs.jsonl --init ...   # N GPUs
 
@@ -42,8 +43,8 @@ from data import load_preferences, split_heldout
 from decontaminate import overlap_warning
 from lora import lora_options
 from packing import IGNORE, check_batch_fits, epoch_batch, micro_batches
-from preferences import (add_preference_flags, completion_logps, evaluate_pairs, final_scores, pair_eval_line,
-                         pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
+from preferences import (add_preference_flags, check_pair_flags, completion_logps, evaluate_pairs, final_scores,
+                         pair_eval_line, pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
 from rundir import open_run, start_run, write_eval
 from tasks import preference_pairs, rl_prompts
 from tokenizer import settle_chat_template
@@ -170,12 +171,13 @@ def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
                                 micro_batch_tokens=min(args.micro_batch_tokens, step_tokens), world_size=world_size,
                                 fsdp=args.fsdp,
                                 cuda=cuda, grad_checkpointing=args.grad_checkpointing,
-                                sample_rows=32 * args.samples if args.pairs == "on-policy" else 0, sample_prompts=32,
+                                sample_rows=32 * args.samples if args.pairs != "embedded" else 0, sample_prompts=32,
                                 sample_tokens=args.max_len)
 
 
 def main():
     args = parser.parse_args()
+    check_pair_flags(args)
     orpo = args.loss == "orpo"
     if args.rpo_alpha and orpo:
         raise UserError("--rpo-alpha adds the chosen answer's NLL to a reference-based pair loss; --loss orpo has it "
@@ -203,10 +205,10 @@ def main():
     model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
                                   head_precision=args.head_precision),
                        fsdp=args.fsdp)
-    if args.pairs == "on-policy" and not args.data:
+    if args.pairs != "embedded" and not args.data:
         train_rows = sampled_pairs(model, tok, num_prompts=args.num_train, samples=args.samples,
                                    temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                   tools=args.tools)
+                                   tools=args.tools, judge=args.judge, rubric=args.rubric)
     settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train
     items, counts = pair_items(tok, train_rows, args.max_len)
     val_items, _ = pair_items(tok, val_rows, args.max_len)

@@ -35,8 +35,9 @@ from data import kto_rows, load_kto, split_heldout
 from decontaminate import overlap_warning
 from lora import lora_options
 from packing import check_batch_fits, epoch_batch, micro_batches
-from preferences import (add_preference_flags, completion_example, completion_logps, evaluate_pairs, final_scores,
-                         pair_eval_line, pair_items, pair_references, pass_at_start, reference_of, sampled_pairs)
+from preferences import (add_preference_flags, check_pair_flags, completion_example, completion_logps, evaluate_pairs,
+                         final_scores, pair_eval_line, pair_items, pair_references, pass_at_start, reference_of,
+                         sampled_pairs)
 from rundir import open_run, start_run, write_eval
 from tasks import preference_pairs, rl_prompts
 from tokenizer import settle_chat_template
@@ -135,12 +136,13 @@ def memory_estimate(args, init, *, world_size=1, cuda=False) -> dict:
                                 lora_rank=args.lora_rank, micro_batch_tokens=min(args.micro_batch_tokens, step_tokens),
                                 world_size=world_size, fsdp=args.fsdp, cuda=cuda,
                                 grad_checkpointing=args.grad_checkpointing,
-                                sample_rows=32 * args.samples if args.pairs == "on-policy" else 0, sample_prompts=32,
+                                sample_rows=32 * args.samples if args.pairs != "embedded" else 0, sample_prompts=32,
                                 sample_tokens=args.max_len)
 
 
 def main():
     args = parser.parse_args()
+    check_pair_flags(args)
     # the data first: a malformed row stops the run at once, naming file:line, before any model is looked for
     held_out = load_kto(args.eval_data, "--eval-data") if args.eval_data else None
     if args.data:  # a user file: --eval-data, or its last 2% held out; held-out pairs from its labeled answers
@@ -168,10 +170,10 @@ def main():
     model = wrap_model(load_model(init, fsdp=args.fsdp, save_dtype=args.save_dtype, lora=lora,
                                   head_precision=args.head_precision),
                        fsdp=args.fsdp)
-    if args.pairs == "on-policy" and not args.data:
+    if args.pairs != "embedded" and not args.data:
         train_rows = sampled_pairs(model, tok, num_prompts=args.num_train, samples=args.samples,
                                    temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                   tools=args.tools)
+                                   tools=args.tools, judge=args.judge, rubric=args.rubric)
     if "label" not in train_rows[0]:  # pairs (the embedded world's, or sampled): two labeled answers each
         train_rows = [single for r in train_rows for single in kto_rows(r)]
     settle_chat_template(tok, train_rows, args.chat_template)  # the template checkpoints ship renders as we train

@@ -53,8 +53,8 @@ from common import (UserError, all_gather_objects, check_flag_ranges, init_dist,
                     run_main, seed_everything)
 from data import load_rl
 from engine import Engine
-from rewards import Grader, judge_pairs, load_judge, load_rubric, parse_reward
-from sampled_data import KEEP, build_rows, sample_groups, two_to_compare
+from rewards import Grader, parse_reward
+from sampled_data import KEEP, build_rows, judged_pairs, sample_groups
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 
 parser = argparse.ArgumentParser(description="sample k answers per prompt, grade them, keep the verified or the best")
@@ -92,25 +92,6 @@ def write_jsonl(path, rows):
     with open(path, "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-
-
-def judged_pairs(rows, groups, judge_path, rubric, tools=None):
-    """Preference pairs a judge labelled: per prompt its first two different finished answers (two_to_compare),
-    asked in both orders; kept where both verdicts agree, the winner chosen. Returns the pairs and the counts."""
-    writable = {p: [f and m is not None for f, m in zip(g[2], g[3])] for p, g in groups.items()}  # as build_rows
-    asked = [(p, *ij) for p in sorted(groups) if (ij := two_to_compare(groups[p][1], writable[p])) is not None]
-    model, tok = load_judge(judge_path)
-    prefs, counts = judge_pairs(model, tok, [rows[p]["prompt"] for p, _, _ in asked],
-                                [groups[p][1][i] for p, i, _ in asked], [groups[p][1][j] for p, _, j in asked],
-                                load_rubric(rubric))
-    pairs = []
-    for (p, i, j), pref in zip(asked, prefs):
-        if pref in (0.0, 1.0):  # both orders agree
-            chosen, rejected = (i, j) if pref == 1.0 else (j, i)
-            schemas = rows[p].get("tools") or tools
-            pairs.append({"prompt": rows[p]["prompt"], "chosen": groups[p][3][chosen],
-                          "rejected": groups[p][3][rejected], **({"tools": schemas} if schemas else {})})
-    return pairs, {"asked": len(asked), **counts}
 
 
 def main():

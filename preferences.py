@@ -16,17 +16,20 @@ from engine import Engine
 from evaluation import evaluate_chat, paired_change, scores_line
 from lora import adapters_off, add_lora_flags
 from packing import IGNORE, pack_sequences, sft_example
-from rewards import Grader
+from rewards import Grader, load_rubric
 from rundir import add_run_flags
-from sampled_data import build_rows, sample_groups
+from sampled_data import build_rows, judged_pairs, sample_groups
 from tasks import CALCULATOR_SCHEMA, TOOLS, rl_prompts
 
 
 def add_preference_flags(parser, stage):
     """The flags DPO and KTO share: sampled pairs, crop, reference, schedule, evaluation."""
-    parser.add_argument("--pairs", choices=["embedded", "on-policy"], default="embedded",
+    parser.add_argument("--pairs", choices=["embedded", "on-policy", "judge"], default="embedded",
                         help="without --data: the world's pairs, or pairs sampled from the policy (a verified-correct "
-                        "vs an incorrect answer)")
+                        "vs an incorrect answer; judge: two answers the --judge prefers one of, in both orders)")
+    parser.add_argument("--judge", default=None, help="--pairs judge: a judge model folder (or standin:arithmetic, a "
+                        "program in its place), grading against --rubric")
+    parser.add_argument("--rubric", default=None, help="--pairs judge: the judge's rubric file")
     parser.add_argument("--num-train", type=int, default=600, help="embedded pairs, or prompts to sample for --pairs "
                         "on-policy")
     parser.add_argument("--num-val", type=int, default=300, help="held-out pairs (embedded test split; else the file's "
@@ -127,12 +130,15 @@ def pair_items(tok, rows, max_len):
     return items, counts
 
 
-def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tokens, seed, tools=False):
+def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tokens, seed, tools=False, judge=None,
+                   rubric=None):
     """Preference pairs from the policy itself: sample `samples` answers per prompt (with the calculator when
     `tools`), grade each with the row's verifier, and pair the first correct finished answer with the first
     incorrect one (sampled_data.preference_pair). Prompts whose answers all agree teach nothing and are
-    skipped; answers cut at the length limit are not used. Each rank samples its share of the prompts, and
-    every rank gets all the pairs, in prompt order."""
+    skipped; answers cut at the length limit are not used. With a `judge` (a path, with its `rubric` file) the
+    judge chooses instead: each prompt's first two different answers, asked in both orders, the pair kept where
+    the two verdicts agree (sampled_data.judged_pairs; every rank asks it the same, greedily). Each rank samples
+    its share of the prompts, and every rank gets all the pairs, in prompt order."""
     info = dist_info()
     schemas = [CALCULATOR_SCHEMA] if tools else None
     engine = Engine(unwrap(model), tok, tools=TOOLS if tools else None)
@@ -140,7 +146,12 @@ def on_policy_rows(model, tok, prompt_rows, *, samples, temperature, max_new_tok
                            seed=seed, rank=info.rank, world_size=info.world_size, max_new_tokens=max_new_tokens,
                            temperature=temperature, tool_schemas=schemas)
     merged = {p: g for part in all_gather_objects(groups) for p, g in part.items()}
-    _, pairs, _ = build_rows(prompt_rows, merged, tools=schemas)
+    if judge:
+        pairs, counts = judged_pairs(prompt_rows, merged, judge, rubric, schemas)
+        print0(f"the judge compared {counts['asked']} pairs in both orders: {counts['inconsistent']} inconsistent, "
+               f"{counts['unparseable']} verdicts unreadable; {len(pairs)} kept")
+    else:
+        _, pairs, _ = build_rows(prompt_rows, merged, tools=schemas)
     return [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"], "kind": "on-policy",
              **({"tools": p["tools"]} if "tools" in p else {})} for p in pairs]
 
@@ -171,16 +182,29 @@ def evaluate_pairs(model, items, ref, pad_id, capacity, beta):
 # ------------------------------------------------------------------------------------------------
 # What DPO's and KTO's loops share
 
-def sampled_pairs(model, tok, *, num_prompts, samples, temperature, max_new_tokens, seed, tools=False):
-    """--pairs on-policy: pairs sampled from the starting policy, before any update (on_policy_rows)."""
+def sampled_pairs(model, tok, *, num_prompts, samples, temperature, max_new_tokens, seed, tools=False, judge=None,
+                  rubric=None):
+    """--pairs on-policy (or judge): pairs sampled from the starting policy, before any update (on_policy_rows)."""
     prompts = rl_prompts("train", num_prompts, seed=seed)
     rows = on_policy_rows(model, tok, prompts, samples=samples, temperature=temperature,
-                          max_new_tokens=max_new_tokens, seed=seed, tools=tools)
-    print0(f"on-policy: {len(rows)} pairs from {len(prompts)} prompts x {samples} samples")
+                          max_new_tokens=max_new_tokens, seed=seed, tools=tools, judge=judge, rubric=rubric)
+    print0(f"{'judge' if judge else 'on-policy'}: {len(rows)} pairs from {len(prompts)} prompts x {samples} samples")
     if not rows:
-        raise UserError("--pairs on-policy: no prompt had both a correct and an incorrect answer, nothing to "
-                        "pair; raise --samples or --temperature")
+        raise UserError("--pairs judge: the judge preferred no answer in both orders, nothing to pair; raise "
+                        "--samples or --temperature" if judge else "--pairs on-policy: no prompt had both a correct "
+                        "and an incorrect answer, nothing to pair; raise --samples or --temperature")
     return rows
+
+
+def check_pair_flags(args):
+    """--pairs judge needs its --judge and --rubric, and they mean nothing without it."""
+    if args.pairs == "judge" and not (args.judge and args.rubric):
+        raise UserError("--pairs judge asks a --judge (a model folder, or standin:arithmetic) against a --rubric FILE: "
+                        "pass both")
+    if args.pairs != "judge" and (args.judge or args.rubric):
+        raise UserError("--judge and --rubric label --pairs judge's pairs: add --pairs judge")
+    if args.rubric:
+        load_rubric(args.rubric)  # a missing or malformed rubric stops the run now, not after the sampling
 
 
 def both(items):

@@ -1,12 +1,14 @@
 """
 Training data from a model's own graded answers: sample k answers per prompt with the engine, grade them, and
 keep some as SFT rows (rejection sampling, best-of-n) or pair the best with the worst (preference pairs).
-chat_sample.py writes them to files; chat_dpo.py and chat_kto.py sample their pairs with it (--pairs on-policy).
+chat_sample.py writes them to files; chat_dpo.py and chat_kto.py sample their pairs with it (--pairs on-policy, or
+--pairs judge: judged_pairs, a judge's verdict in both orders).
 With tools, an answer is the assistant's turns with their calls and the tool results between them, kept only
 where those messages render back to exactly the tokens that were sampled.
 """
 import re
 
+from rewards import judge_pairs, load_judge, load_rubric
 from rollout import sample
 from tokenizer import completion_message, parse_tool_calls
 
@@ -161,3 +163,22 @@ def build_rows(rows, groups, keep="verified", max_per_prompt=1, threshold=1.0, t
             pairs.append({"prompt": row["prompt"], "chosen": messages[chosen], "rejected": messages[rejected], **extra,
                           "chosen_reward": rewards[chosen], "rejected_reward": rewards[rejected]})
     return sft, pairs, counts
+
+
+def judged_pairs(rows, groups, judge_path, rubric, tools=None):
+    """Preference pairs a judge labelled: per prompt its first two different finished answers (two_to_compare),
+    asked in both orders; kept where both verdicts agree, the winner chosen. Returns the pairs and the counts."""
+    writable = {p: [f and m is not None for f, m in zip(g[2], g[3])] for p, g in groups.items()}  # as build_rows
+    asked = [(p, *ij) for p in sorted(groups) if (ij := two_to_compare(groups[p][1], writable[p])) is not None]
+    model, tok = load_judge(judge_path)
+    prefs, counts = judge_pairs(model, tok, [rows[p]["prompt"] for p, _, _ in asked],
+                                [groups[p][1][i] for p, i, _ in asked], [groups[p][1][j] for p, _, j in asked],
+                                load_rubric(rubric))
+    pairs = []
+    for (p, i, j), pref in zip(asked, prefs):
+        if pref in (0.0, 1.0):  # both orders agree
+            chosen, rejected = (i, j) if pref == 1.0 else (j, i)
+            schemas = rows[p].get("tools") or tools
+            pairs.append({"prompt": rows[p]["prompt"], "chosen": groups[p][3][chosen],
+                          "rejected": groups[p][3][rejected], **({"tools": schemas} if schemas else {})})
+    return pairs, {"asked": len(asked), **counts}

@@ -416,3 +416,37 @@ def test_paired_change_of_pass_at_1():
     # d = after - before = [0, 1, -1, 0, 1]: mean 0.2, sample std sqrt(2.8 / 4) = 0.83666, se 0.37417
     change, se = paired_change([1, 0, 1, 1, 0], [1, 1, 0, 1, 1])
     assert abs(change - 0.2) < 1e-12 and abs(se - 0.37417) < 1e-5
+
+
+def test_judge_pairs_are_the_judges_choices_asked_in_both_orders(tok, monkeypatch):
+    """--pairs judge --judge standin:arithmetic: each prompt's first two different answers go to the judge in both
+    orders; the one it prefers both times is chosen, whatever the verifier says (the stand-in has no answer key),
+    and a pair it ties on (a preference only for the position) is dropped."""
+    import os
+    prompts = rl_prompts("train", 2)
+    worked = ["Mia has 12 + 17 = 29 apples.\n#### 29", "Mia has 12 + 17 = 28 apples.\n#### 28"]  # 10 and 7
+    tied = ["#### 5", "#### 6"]  # no work shown: 3 and 3
+    from engine import Completion
+
+    def fake_generate(self, prompt_ids, num_samples, **kw):
+        texts = [worked[::-1], tied]
+        return [Completion(i, tokens=(t := tok.encode(texts[i][j]) + [tok.eos_id]), mask=[1] * len(t),
+                           finish_reason="stop") for i in range(len(prompt_ids)) for j in range(num_samples)]
+    monkeypatch.setattr("engine.Engine.generate", fake_generate)
+    rubric = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "rubrics", "arithmetic.txt")
+    rows = on_policy_rows(tiny_model(tok), tok, prompts, samples=2, temperature=1.0, max_new_tokens=8, seed=0,
+                          judge="standin:arithmetic", rubric=rubric)
+    assert len(rows) == 1 and rows[0]["prompt"] == prompts[0]["prompt"]
+    assert rows[0]["chosen"][0]["content"] == worked[0] and rows[0]["rejected"][0]["content"] == worked[1]
+
+
+def test_pairs_judge_needs_its_judge_and_rubric():
+    from chat_dpo import parser
+    from common import UserError
+    from preferences import check_pair_flags
+    for argv, message in ((["--pairs", "judge"], "pass both"), (["--pairs", "judge", "--judge", "standin:arithmetic"],
+                                                                "pass both"),
+                          (["--judge", "standin:arithmetic"], "add --pairs judge"),
+                          (["--pairs", "judge", "--judge", "x", "--rubric", "nowhere.txt"], "no such rubric")):
+        with pytest.raises(UserError, match=message):
+            check_pair_flags(parser.parse_args(argv))

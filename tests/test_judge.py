@@ -267,7 +267,7 @@ def test_chat_sample_pairs_judge_keeps_the_pairs_the_judge_agrees_on(tok, tmp_pa
     a pair is written, the judge's winner chosen, only where its two verdicts agree. The stand-in judge prefers
     the shorter answer, except on prompt 2, where it picks whatever is shown first (a position bias: dropped);
     prompt 3 has a single distinct answer: nothing to compare."""
-    import chat_sample
+    import sampled_data
     from sampled_data import two_to_compare
     assert two_to_compare(["a", "a", "b"], [True] * 3) == (0, 2) and two_to_compare(["a", "a"], [True] * 2) is None
     assert two_to_compare(["a", "b", "c"], [True, False, True]) == (0, 2)
@@ -282,10 +282,10 @@ def test_chat_sample_pairs_judge_keeps_the_pairs_the_judge_agrees_on(tok, tmp_pa
             return "1"
         return "1" if len(shown(text, 1)) < len(shown(text, 2)) else "2"
     judge = ScriptedJudge(tok, {"1": "VERDICT: 1", "2": "VERDICT: 2"}, choose=shorter)
-    monkeypatch.setattr(chat_sample, "load_judge", lambda path: (judge, tok))
+    monkeypatch.setattr(sampled_data, "load_judge", lambda path: (judge, tok))
     rubric = tmp_path / "rubric.txt"
     rubric.write_text("Prefer the shorter answer.\nScale: 0-10")
-    pairs, counts = chat_sample.judged_pairs(rows, groups, "JUDGE", str(rubric))
+    pairs, counts = sampled_data.judged_pairs(rows, groups, "JUDGE", str(rubric))
     assert counts == {"asked": 3, "inconsistent": 1, "unparseable": 0, "too_long": 0}
     assert [(p["chosen"][0]["content"], p["rejected"][0]["content"]) for p in pairs] == [
         ("#### 1", "It is one.\n#### 1"), ("#### 7", "A long way round.\n#### 7")]
