@@ -5,7 +5,10 @@
 #                                   SFT model, judged by the verifier; per problem its best answer against its
 #                                   worst, where they differ (Tulu 3 judged with an LLM; any --reward works)
 #   3. DPO                          chat_dpo.py --data on those pairs, from the SFT model
-#   4. RLVR with PPO                chat_ppo.py --tools from the DPO model, rewarded by the verifier
+#   4. a reward model               chat_rm.py from the SFT model on the world's preference pairs: the value
+#                                   model's start (Tulu 3 starts PPO's value model from its general reward model)
+#   5. RLVR with PPO                chat_ppo.py --tools from the DPO model, rewarded by the verifier, its critic
+#                                   started from that reward model
 # and a table of each step's held-out pass@1, greedy and at T=1, with the calculator offered, on the same 200 problems
 # ($NANOPOST_HOME/tulu3.json). Reuses the tokenizer and base model when $NANOPOST_HOME has them (e.g.
 # after runs/cpu.sh), else trains them first (~3 min more).
@@ -53,7 +56,8 @@ stage "2. on-policy pairs judged by the verifier" $TORCHRUN chat_sample.py --ini
   --num-prompts "$SAMPLE_PROMPTS" --samples 4 --pairs-out "$H/data/tulu3-pairs.jsonl"
 stage "3. DPO" $PY chat_dpo.py "${OW[@]}" --init "$H/sft/tulu3" --data "$H/data/tulu3-pairs.jsonl" --run-name tulu3 --tools
 stage "   its held-out pass@1" heldout dpo/tulu3
-stage "4. RLVR with PPO" $PY chat_ppo.py "${OW[@]}" --init "$H/dpo/tulu3" --critic-init "$H/dpo/tulu3" --run-name tulu3 --tools \
+stage "4. a reward model, the value model's start" $PY chat_rm.py "${OW[@]}" --init "$H/sft/tulu3" --run-name tulu3
+stage "5. RLVR with PPO" $PY chat_ppo.py "${OW[@]}" --init "$H/dpo/tulu3" --critic-init "$H/rm/tulu3" --run-name tulu3 --tools \
   --steps "$PPO_STEPS" --eval-problems "$EVAL_PROBLEMS" --eval-every 1000
 echo; echo "Tulu 3 recipe done in $((SECONDS - t_all)) s"
-$PY chat_eval.py --report sft/tulu3 dpo/tulu3 ppo/tulu3 --out "$H/tulu3.json"
+$PY chat_eval.py --report sft/tulu3 dpo/tulu3 rm/tulu3 ppo/tulu3 --out "$H/tulu3.json"

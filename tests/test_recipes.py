@@ -42,7 +42,7 @@ def test_invocations_parses_continuations_and_arrays():
 def test_every_recipe_flag_exists():
     calls = [(os.path.basename(sh), path, flags) for sh in sorted(glob.glob(os.path.join(REPO, "runs", "*.sh")))
              for path, flags in invocations(open(sh).read())]
-    assert {"cpu.sh", "r1.sh", "tulu3.sh", "qwen3.sh"} <= {sh for sh, _, _ in calls}
+    assert {"cpu.sh", "r1.sh", "tulu3.sh", "instructgpt.sh", "qwen3.sh"} <= {sh for sh, _, _ in calls}
     scripts = sorted({path for _, path, _ in calls})
 
     def help_flags(path):
@@ -60,7 +60,7 @@ def test_every_recipe_flag_exists():
 # The recipes' switches, each on at 1 only (OVERWRITE=0 once replaced a run). Each switch: the flag it adds to
 # every stage it launches, and its default.
 SWITCHES = {"cpu.sh": {"OVERWRITE": ("--overwrite", "1")}, "r1.sh": {"OVERWRITE": ("--overwrite", "0")},
-            "tulu3.sh": {"OVERWRITE": ("--overwrite", "0")},
+            "tulu3.sh": {"OVERWRITE": ("--overwrite", "0")}, "instructgpt.sh": {"OVERWRITE": ("--overwrite", "0")},
             "qwen3.sh": {"OVERWRITE": ("--overwrite", "0"), "FSDP": ("--fsdp", "0")}}
 
 
@@ -112,7 +112,7 @@ def test_the_docs_set_only_variables_the_recipes_read():
             read = open(os.path.join(REPO, "runs", script)).read()
             stale += [f"{os.path.basename(md)}: {v} for runs/{script}" for v in re.findall(r"\b([A-Z][A-Z_]+)=", assigns)
                       if "${" + v not in read and f'"{v}"' not in code]
-    recipes = open(os.path.join(REPO, "runs", "r1.sh")).read() + open(os.path.join(REPO, "runs", "tulu3.sh")).read()
+    recipes = "".join(open(os.path.join(REPO, "runs", f)).read() for f in ("r1.sh", "tulu3.sh", "instructgpt.sh"))
     for v in re.findall(r"^\| `([A-Z][A-Z_]+)` \|", open(os.path.join(REPO, "docs", "recipes.md")).read(), re.M):
         if "${" + v not in recipes:
             stale.append(f"recipes.md's table: {v}")
