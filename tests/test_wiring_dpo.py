@@ -153,7 +153,8 @@ def test_kto_reference_point_is_clamped_at_zero_where_it_binds(monkeypatch, tmp_
 
 
 PAIRS_FLAGS = [[], ["--samples", "3"], ["--temperature", "0.7"], ["--max-new-tokens", "9"], ["--num-train", "12"],
-               ["--seed", "2"], ["--tools"]]
+               ["--seed", "2"], ["--tools"],
+               ["--pairs", "judge", "--judge", "standin:arithmetic", "--rubric", "rubrics/arithmetic.txt"]]
 
 
 @pytest.mark.parametrize("stage, flags", [("dpo", f) for f in PAIRS_FLAGS] + [("kto", f) for f in PAIRS_FLAGS[:3]],
@@ -162,7 +163,7 @@ def test_pairs_on_policy_samples_with_the_flags_and_trains_on_what_it_sampled(mo
                                                                               flags):
     """--pairs on-policy: the pairs are sampled from the starting policy, --num-train prompts x --samples answers
     at --temperature and --max-new-tokens (the sampler stands in here: a tiny random model answers nothing right),
-    and what it returns is what trains."""
+    and what it returns is what trains; --pairs judge hands the sampler its --judge and --rubric."""
     module = chat_dpo if stage == "dpo" else chat_kto
     sampled = []
 
@@ -175,7 +176,9 @@ def test_pairs_on_policy_samples_with_the_flags_and_trains_on_what_it_sampled(mo
     run_stage(monkeypatch, tmp_path, module, *argv)
     args = module.parser.parse_args(argv)
     assert sampled == [dict(num_prompts=args.num_train, samples=args.samples, temperature=args.temperature,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed, tools=args.tools)]
+                            max_new_tokens=args.max_new_tokens, seed=args.seed, tools=args.tools, judge=args.judge,
+                            rubric=args.rubric)]
+    assert (args.judge is not None) == (args.pairs == "judge")
     rows = rendered[0].args[1]
     pairs = preference_pairs("train", 6, seed=11)
     if stage == "dpo":
